@@ -1,0 +1,223 @@
+"""Pick a tile config per kernel and shape, once, and remember it.
+
+One mechanism for every kernel: given the kernel's candidate configs (first one the
+default), a launch either takes the default (DISABLE_AUTOTUNE), or a config already chosen
+for this shape key (memory, then a JSON file under the user's cache dir), or times the
+candidates with cuda.tile.tune.exhaustive_search and stores the winner.
+
+Tuning never raises: a candidate that fails to compile, or that runs past the compile
+timeout, is skipped with one warning, and if none works the default is used.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of the message."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+# Tuning progress: one line per kernel tuned, on stderr. Silence it with
+# TILEGYM_AUTOTUNE_QUIET=1 or logging.getLogger("tilegym.autotune").setLevel(logging.WARNING).
+logger = logging.getLogger("tilegym.autotune")
+logger.setLevel(logging.INFO)
+logger.propagate = False
+_handler = _CurrentStderr()
+_handler.setFormatter(logging.Formatter("tilegym: %(message)s"))
+logger.addHandler(_handler)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of one kernel launch and the cuTile compiler hints that go with them."""
+
+    block_m: int
+    block_n: int | None = None
+    num_worker_warps: int | None = None
+    occupancy: int | None = None
+    num_ctas: int | None = None
+
+    def hints(self) -> dict:
+        names = ("num_worker_warps", "occupancy", "num_ctas")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def to_json(self) -> dict:
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+def autotune_disabled() -> bool:
+    """DISABLE_AUTOTUNE: 1/true/yes/on disables tuning, 0/false/no/off or unset keeps it."""
+    value = os.environ.get("DISABLE_AUTOTUNE", "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"DISABLE_AUTOTUNE={os.environ['DISABLE_AUTOTUNE']!r} is not understood: "
+        f"use one of {_TRUE} to disable autotuning or one of {_FALSE[1:]} (or unset) to keep it"
+    )
+
+
+def cache_dir() -> Path:
+    """TILEGYM_CACHE_DIR, else $XDG_CACHE_HOME/tilegym, else ~/.cache/tilegym."""
+    explicit = os.environ.get("TILEGYM_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tilegym"
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+class TuneCache:
+    """Chosen configs by shape key, in memory and in one JSON file per (GPU, cuda-tile version)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._entries: dict[str, TileConfig] | None = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> dict[str, TileConfig]:
+        if self._entries is None:
+            self._entries = {}
+            try:
+                raw = json.loads(self.path.read_text())
+                self._entries = {key: TileConfig(**value) for key, value in raw.items()}
+            except (OSError, ValueError, TypeError):
+                pass  # no cache yet, or an unreadable one: tune again
+        return self._entries
+
+    def get(self, key: str) -> TileConfig | None:
+        with self._lock:
+            return self._load().get(key)
+
+    def put(self, key: str, config: TileConfig) -> None:
+        with self._lock:
+            entries = self._load()
+            entries[key] = config
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({k: v.to_json() for k, v in entries.items()}, indent=1, sort_keys=True))
+                tmp.replace(self.path)
+            except OSError as error:
+                warnings.warn(f"tilegym: could not write the tune cache {self.path}: {error}", stacklevel=3)
+
+
+_caches: dict[Path, TuneCache] = {}
+
+
+def tune_cache(device_name: str, cutile_version: str) -> TuneCache:
+    path = cache_dir() / f"autotune-{_slug(device_name)}-cuda-tile-{_slug(cutile_version)}.json"
+    if path not in _caches:
+        _caches[path] = TuneCache(path)
+    return _caches[path]
+
+
+def _progress(message: str) -> None:
+    if os.environ.get("TILEGYM_AUTOTUNE_QUIET", "").strip().lower() not in _TRUE:
+        logger.info(message)
+
+
+@dataclass(frozen=True)
+class TunedKernel:
+    """What the tuner needs of one kernel launch, independent of the config."""
+
+    name: str
+    kernel: object  # a cuda.tile kernel
+    grid: Callable[[TileConfig], tuple[int, ...]]
+    args: Callable[[TileConfig], tuple]
+
+
+_hinted: dict[tuple, object] = {}
+
+
+def with_hints(kernel, config: TileConfig):
+    """The kernel compiled with the config's hints; one object per hint set, so its JIT cache lives."""
+    hints = config.hints()
+    if not hints:
+        return kernel
+    key = (id(kernel), tuple(sorted(hints.items())))
+    if key not in _hinted:
+        _hinted[key] = kernel.replace_hints(**hints)
+    return _hinted[key]
+
+
+def choose_config(
+    launch: TunedKernel,
+    candidates: Sequence[TileConfig],
+    shape_key: str,
+    cache: TuneCache,
+    stream,
+    compile_timeout_sec: float = 120.0,
+) -> TileConfig:
+    """The config to launch with: default, cached, or freshly tuned."""
+    if autotune_disabled() or len(candidates) == 1:
+        return candidates[0]
+    key = f"{launch.name}|{shape_key}"
+    cached = cache.get(key)
+    if cached is not None and cached in candidates:
+        return cached
+    _progress(f"tuning {launch.name} for {shape_key} over {len(candidates)} configs")
+    best = _search(launch, candidates, stream, compile_timeout_sec)
+    cache.put(key, best)
+    return best
+
+
+def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compile_timeout_sec: float) -> TileConfig:
+    import cuda.tile as ct
+    from cuda.tile import tune
+
+    try:
+        with ct.compiler_timeout(compile_timeout_sec):
+            result = tune.exhaustive_search(
+                list(candidates),
+                stream,
+                launch.grid,
+                lambda config: with_hints(launch.kernel, config),
+                launch.args,
+                quiet=True,
+            )
+    except Exception as error:  # every candidate failed: never fail the user's call for it
+        warnings.warn(
+            f"tilegym: no candidate config of {launch.name} could be timed ({error}); using the default",
+            stacklevel=4,
+        )
+        return candidates[0]
+    for config, error_type, message in result.failures:
+        first_line = message.splitlines()[0] if message else ""
+        warnings.warn(
+            f"tilegym: skipped config {config.to_json()} of {launch.name}: {error_type.__name__}: {first_line}",
+            stacklevel=4,
+        )
+    return result.best.config
+
+
+def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream):
+    """Choose the config (see choose_config) and launch the kernel with it."""
+    import cuda.tile as ct
+
+    config = choose_config(launch, candidates, shape_key, cache, stream)
+    ct.launch(stream, launch.grid(config), with_hints(launch.kernel, config), launch.args(config))
+    return config

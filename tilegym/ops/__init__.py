@@ -1,0 +1,5 @@
+"""Public entry points of every op."""
+
+from tilegym.ops.attention import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+
+__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional"]
