@@ -1,0 +1,147 @@
+"""Candidate tile configs of every attention kernel: the only place tile sizes live.
+
+Tables are keyed by kernel, GPU architecture and head-dim tile (the head dim rounded up to a
+power of two). The first config of each list is the one used when autotuning is disabled,
+so it must be a good, safe choice on its architecture: it compiles without spilling
+registers. The autotuner times the rest of the list on the first call for a shape.
+
+Configs for 4- and 8-byte element types (fp32, fp64) are separate and small: their tiles
+take two to four times the registers and shared memory of fp16/bf16 tiles.
+"""
+
+from tilegym.autotune import TileConfig
+
+FORWARD = "attention_forward"
+FORWARD_LSE = "attention_forward_lse"
+BACKWARD_PREPROCESS = "attention_backward_preprocess"
+BACKWARD_DKDV = "attention_backward_dkdv"
+BACKWARD_DQ = "attention_backward_dq"
+
+KERNELS = (FORWARD, FORWARD_LSE, BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ)
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+HEAD_DIM_TILES = (32, 64, 128, 256)
+
+
+def head_dim_tile(head_dim: int) -> int:
+    """Head dims are tiled at the next power of two; loads pad the rest with zeros."""
+    return 1 << (head_dim - 1).bit_length()
+
+
+def _c(block_m, block_n=None, **hints) -> TileConfig:
+    return TileConfig(block_m=block_m, block_n=block_n, **hints)
+
+
+# Hopper: 128-row tiles need 8 worker warps (two warpgroups) to hold their fp32
+# accumulators without spilling; 64-row tiles fit one warpgroup.
+_SM90_FORWARD = {
+    32: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 128), _c(64, 64)],
+    64: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 128), _c(128, 64, num_worker_warps=8)],
+    128: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 128), _c(128, 128, num_worker_warps=8, occupancy=2)],
+    256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
+}
+_SM90_DKDV = {
+    32: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
+    64: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
+    128: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(32, 128, num_worker_warps=8)],
+    # D=256: dK and dV take 2 x 64 x 256 fp32 accumulators; 16-row query tiles keep them in registers.
+    256: [_c(16, 64, num_worker_warps=8), _c(32, 64, num_worker_warps=8)],
+}
+_SM90_DQ = {
+    32: [_c(128, 64, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
+    64: [_c(128, 64, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
+    128: [_c(128, 64, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
+    256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
+}
+# The preprocess is a row reduction: memory bound, only the row tile matters.
+_PREPROCESS = {32: [_c(128), _c(64)], 64: [_c(128), _c(64)], 128: [_c(64), _c(128)], 256: [_c(32), _c(64)]}
+
+# Ampere-class parts (sm_80, sm_120) have no warpgroup MMA: plain 64/128 tiles.
+_SM80_FORWARD = {
+    32: [_c(128, 64), _c(64, 64)],
+    64: [_c(128, 64), _c(64, 64), _c(128, 32)],
+    128: [_c(128, 64), _c(64, 64), _c(128, 32)],
+    256: [_c(64, 32), _c(64, 64)],
+}
+_SM80_BACKWARD = {
+    32: [_c(64, 64), _c(64, 128)],
+    64: [_c(64, 64), _c(64, 128)],
+    128: [_c(64, 64), _c(32, 64)],
+    256: [_c(32, 32), _c(32, 64)],
+}
+# Blackwell: large tiles, and pairs of CTAs for the forward.
+_SM100_FORWARD = {
+    32: [_c(128, 128), _c(128, 128, num_ctas=2), _c(128, 64)],
+    64: [_c(128, 128), _c(128, 128, num_ctas=2), _c(128, 64)],
+    128: [_c(128, 128), _c(128, 128, num_ctas=2), _c(128, 64)],
+    256: [_c(64, 64), _c(128, 64), _c(64, 32)],
+}
+_SM100_BACKWARD = {
+    32: [_c(64, 128), _c(128, 128), _c(64, 64)],
+    64: [_c(64, 128), _c(128, 128), _c(64, 64)],
+    128: [_c(64, 128), _c(64, 64), _c(128, 128)],
+    256: [_c(64, 64), _c(32, 64), _c(32, 32)],
+}
+
+# fp32 / fp64 run for accuracy (gradcheck, fp32 training), not speed: one small config each.
+# Their products run on the CUDA cores and the compiler spills at any tile size; smaller
+# tiles keep compile times to seconds.
+_WIDE_FORWARD = {d: [_c(32, 32)] for d in HEAD_DIM_TILES} | {256: [_c(32, 16)]}
+_WIDE_BACKWARD = _WIDE_FORWARD
+_WIDE_PREPROCESS = {d: [_c(32)] for d in HEAD_DIM_TILES}
+
+TABLES = {
+    "sm_80": {
+        FORWARD: _SM80_FORWARD,
+        FORWARD_LSE: _SM80_FORWARD,
+        BACKWARD_PREPROCESS: _PREPROCESS,
+        BACKWARD_DKDV: _SM80_BACKWARD,
+        BACKWARD_DQ: _SM80_BACKWARD,
+    },
+    "sm_90": {
+        FORWARD: _SM90_FORWARD,
+        FORWARD_LSE: _SM90_FORWARD,
+        BACKWARD_PREPROCESS: _PREPROCESS,
+        BACKWARD_DKDV: _SM90_DKDV,
+        BACKWARD_DQ: _SM90_DQ,
+    },
+    "sm_100": {
+        FORWARD: _SM100_FORWARD,
+        FORWARD_LSE: _SM100_FORWARD,
+        BACKWARD_PREPROCESS: _PREPROCESS,
+        BACKWARD_DKDV: _SM100_BACKWARD,
+        BACKWARD_DQ: _SM100_BACKWARD,
+    },
+    "sm_120": {
+        FORWARD: _SM80_FORWARD,
+        FORWARD_LSE: _SM80_FORWARD,
+        BACKWARD_PREPROCESS: _PREPROCESS,
+        BACKWARD_DKDV: _SM80_BACKWARD,
+        BACKWARD_DQ: _SM80_BACKWARD,
+    },
+}
+WIDE_TABLE = {
+    FORWARD: _WIDE_FORWARD,
+    FORWARD_LSE: _WIDE_FORWARD,
+    BACKWARD_PREPROCESS: _WIDE_PREPROCESS,
+    BACKWARD_DKDV: _WIDE_BACKWARD,
+    BACKWARD_DQ: _WIDE_BACKWARD,
+}
+
+
+def arch_family(compute_capability: tuple[int, int]) -> str:
+    """The table a GPU uses: its own arch, or the closest older one we have tables for."""
+    major, minor = compute_capability
+    if major >= 12:
+        return "sm_120"
+    if major >= 10:
+        return "sm_100"
+    if major == 9:
+        return "sm_90"
+    return "sm_80"
+
+
+def candidates(kernel: str, arch: str, head_dim: int, element_size: int) -> list[TileConfig]:
+    """The configs to try for one kernel, first one the default."""
+    table = WIDE_TABLE if element_size > 2 else TABLES[arch]
+    return list(table[kernel][head_dim_tile(head_dim)])

@@ -1,0 +1,273 @@
+"""Host side of attention: argument checks, output allocation, grids and tuned launches."""
+
+import math
+import struct
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from tilegym import autotune
+from tilegym.ops.attention import configs
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_GRID_YZ = 65535
+_MAX_INT32 = 2**31 - 1
+LOG2E = 1.4426950408889634
+_FP32_MAX = 3.4028234663852886e38
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Validated sizes of one attention call."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: torch.dtype
+    softmax_scale: float
+    causal: bool
+
+    @property
+    def query_group_size(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def is_empty(self) -> bool:
+        return self.batch == 0 or self.q_heads == 0 or self.seqlen_q == 0
+
+    def shape_key(self, arch: str) -> str:
+        """Calls with equal keys share a tuned config: sequence lengths are rounded up to powers of two."""
+        return (
+            f"{arch}|{str(self.dtype).removeprefix('torch.')}|d{self.head_dim}|g{self.query_group_size}"
+            f"|{'causal' if self.causal else 'full'}|sq{_pow2_ceil(self.seqlen_q)}|sk{_pow2_ceil(self.seqlen_k)}"
+        )
+
+
+def split_float(x: float) -> tuple[float, float]:
+    """x as an fp32 pair (hi, lo) with hi + lo == x to about 48 bits, for fp64 kernels."""
+    hi = _to_fp32(x)
+    return hi, _to_fp32(x - hi)
+
+
+def _to_fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
+    if t.numel() > _MAX_INT32:
+        raise ValueError(f"{name} has {t.numel()} elements; at most 2**31 - 1 are supported")
+
+
+def check_inputs(q, k, v, scaling, is_causal) -> AttentionProblem:
+    """Validate everything before any launch; errors name the argument and what was expected."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    batch, q_heads, seqlen_q, head_dim = q.shape
+    _, kv_heads, seqlen_k, kv_head_dim = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k and v must have the batch size of q ({batch}), got {k.shape[0]}")
+    if kv_head_dim != head_dim:
+        raise ValueError(f"k and v must have the head dim of q ({head_dim}), got {kv_head_dim}")
+    if head_dim not in configs.HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} is not supported; supported head dims are {configs.HEAD_DIMS}")
+    if kv_heads == 0 and q_heads != 0:
+        raise ValueError(f"k and v have 0 heads but q has {q_heads}")
+    if kv_heads and q_heads % kv_heads:
+        raise ValueError(f"q's head count ({q_heads}) must be a multiple of k's and v's ({kv_heads}) for GQA/MQA")
+    if batch > _MAX_GRID_YZ or q_heads > _MAX_GRID_YZ:
+        raise ValueError(f"batch ({batch}) and heads ({q_heads}) must each be at most {_MAX_GRID_YZ}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scaling is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        raise TypeError(f"scaling must be a float or None, got {type(scaling).__name__}")
+    elif not math.isfinite(scaling) or abs(scaling) * LOG2E > _FP32_MAX:
+        raise ValueError(f"scaling must be finite and within the float32 range, got {scaling}")
+    else:
+        softmax_scale = float(scaling)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
+    return AttentionProblem(
+        batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, is_causal
+    )  # fmt: skip
+
+
+def addressable(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when its head dim is unit-stride (any other strides are fine), else one copy.
+
+    A [B, S, H, D] tensor viewed as [B, H, S, D] by transpose is used as is.
+    """
+    if t.stride(-1) == 1 or t.shape[-1] == 1:
+        return t
+    return t.contiguous()
+
+
+def _row_stat(problem: AttentionProblem, device) -> torch.Tensor:
+    dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+    return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=dtype, device=device)
+
+
+@cache
+def _device_facts(device_index: int) -> tuple[str, str, str]:
+    import cuda.tile as ct
+
+    props = torch.cuda.get_device_properties(device_index)
+    return props.name, configs.arch_family((props.major, props.minor)), ct.__version__
+
+
+class _Launcher:
+    """Launches one attention kernel with the config chosen for the problem's shape."""
+
+    def __init__(self, problem: AttentionProblem, device: torch.device):
+        self.problem = problem
+        self.device_name, self.arch, cutile_version = _device_facts(device.index or 0)
+        self.cache = autotune.tune_cache(self.device_name, cutile_version)
+        self.shape_key = problem.shape_key(self.arch)
+        self.stream = torch.cuda.current_stream(device)
+
+    def candidates(self, kernel_name: str):
+        element_size = torch.empty((), dtype=self.problem.dtype).element_size()
+        return configs.candidates(kernel_name, self.arch, self.problem.head_dim, element_size)
+
+    def launch(self, name: str, kernel, grid, args) -> None:
+        launch = autotune.TunedKernel(name, kernel, grid, args)
+        autotune.launch_tuned(launch, self.candidates(name), self.shape_key, self.cache, self.stream)
+
+
+def _query_tile_grid(problem: AttentionProblem):
+    return lambda config: (math.ceil(problem.seqlen_q / config.block_m), problem.q_heads, problem.batch)
+
+
+def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None):
+    """out (and lse when with_lse) of validated inputs.
+
+    out and lse may be given (contiguous, right shape and dtype) to be written in place.
+    """
+    from tilegym.ops.attention import kernels
+
+    q, k, v = addressable(q), addressable(k), addressable(v)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if lse is None and with_lse:
+        lse = _row_stat(problem, q.device)
+    if problem.is_empty:
+        return out, lse
+    if problem.seqlen_k == 0:  # no key to attend to: every row is empty
+        out.zero_()
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return out, lse
+
+    head_tile = configs.head_dim_tile(problem.head_dim)
+    qk_scale_log2 = split_float(problem.softmax_scale * LOG2E)
+    group = problem.query_group_size
+    launcher = _Launcher(problem, q.device)
+    if with_lse:
+        name, kernel = configs.FORWARD_LSE, kernels.attention_forward_lse_kernel
+        outputs = (out, lse)
+    else:
+        name, kernel = configs.FORWARD, kernels.attention_forward_kernel
+        outputs = (out,)
+
+    def args(config):
+        return (q, k, v, *outputs, *qk_scale_log2, group, config.block_m, config.block_n, head_tile, problem.causal)
+
+    launcher.launch(name, kernel, _query_tile_grid(problem), args)
+    return out, lse
+
+
+def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None):
+    """(dq, dk, dv) of validated inputs, given the forward's out and lse.
+
+    grads, a (dq, dk, dv) of contiguous tensors, may be given to be written in place.
+    """
+    from tilegym.ops.attention import kernels
+
+    if grads is None:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = grads
+    if problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
+    head_tile = configs.head_dim_tile(problem.head_dim)
+    scale = split_float(problem.softmax_scale)
+    qk_scale_log2 = split_float(problem.softmax_scale * LOG2E)
+    group = problem.query_group_size
+    causal = problem.causal
+    launcher = _Launcher(problem, q.device)
+
+    delta = _row_stat(problem, q.device)
+    launcher.launch(
+        configs.BACKWARD_PREPROCESS,
+        kernels.attention_backward_preprocess_kernel,
+        _query_tile_grid(problem),
+        lambda config: (out, d_out, delta, config.block_m, head_tile),
+    )
+    launcher.launch(
+        configs.BACKWARD_DKDV,
+        kernels.attention_backward_dkdv_kernel,
+        lambda config: (math.ceil(problem.seqlen_k / config.block_n), problem.kv_heads, problem.batch),
+        lambda config: (
+            q,
+            k,
+            v,
+            d_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            *scale,
+            *qk_scale_log2,
+            group,
+            config.block_m,
+            config.block_n,
+            head_tile,
+            causal,
+        ),  # fmt: skip
+    )
+    launcher.launch(
+        configs.BACKWARD_DQ,
+        kernels.attention_backward_dq_kernel,
+        _query_tile_grid(problem),
+        lambda config: (
+            q,
+            k,
+            v,
+            d_out,
+            lse,
+            delta,
+            dq,
+            *scale,
+            *qk_scale_log2,
+            group,
+            config.block_m,
+            config.block_n,
+            head_tile,
+            causal,
+        ),  # fmt: skip
+    )
+    return dq, dk, dv

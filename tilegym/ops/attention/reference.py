@@ -1,0 +1,70 @@
+"""Attention in plain PyTorch: the reference for tests and benchmarks.
+
+Computes in float64 by default (any dtype can be asked for), on whatever device the inputs
+are, with the same conventions as the kernels: GQA by repeating K/V heads, bottom-right
+causal masking, and rows that see no key giving output 0 and LSE -inf. Differentiable, and
+the gradients of rows that see no key are 0, never NaN.
+"""
+
+import math
+
+import torch
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """[Sq, Sk] bool, True where query i sees key j: j <= i + (Sk - Sq) (bottom-right aligned)."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def attention_reference(q, k, v, scaling=None, is_causal=True, compute_dtype=torch.float64):
+    """(out, lse) with out in compute_dtype and lse [B, Hq, Sq] in compute_dtype."""
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scaling is None else scaling
+    group = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
+    if is_causal:
+        visible = causal_mask(seqlen_q, seqlen_k, q.device)
+    else:
+        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    sees_any = visible.any(dim=-1)[:, None]  # [Sq, 1]
+    # Fill masked scores with a finite value first so that no -inf - (-inf) reaches autograd.
+    finite_scores = scores.masked_fill(~visible, 0.0)
+    row_max = finite_scores.masked_fill(~visible, -torch.inf).amax(dim=-1, keepdim=True)
+    row_max = torch.where(sees_any, row_max, torch.zeros_like(row_max)).detach()
+    weights = torch.exp(finite_scores - row_max) * visible
+    row_sum = weights.sum(dim=-1, keepdim=True)
+    safe_sum = torch.where(sees_any, row_sum, torch.ones_like(row_sum))
+    out = torch.matmul(weights / safe_sum, v)
+    lse = torch.where(sees_any, row_max + torch.log(safe_sum), torch.full_like(row_sum, -torch.inf))
+    return out, lse.squeeze(-1)
+
+
+def attention_naive(q, k, v, scaling=None, is_causal=True):
+    """Row by row in Python floats: slow and obviously right, to check the reference against."""
+    batch, q_heads, seqlen_q, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scaling is None else scaling
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((batch, q_heads, seqlen_q), -math.inf, dtype=torch.float64)
+    qd, kd, vd = (t.double().cpu().tolist() for t in (q, k, v))
+    for b in range(batch):
+        for h in range(q_heads):
+            kv_head = h // (q_heads // kv_heads)
+            for i in range(seqlen_q):
+                keys = [j for j in range(seqlen_k) if not is_causal or j <= i + seqlen_k - seqlen_q]
+                if not keys:
+                    continue
+                scores = [scale * sum(a * c for a, c in zip(qd[b][h][i], kd[b][kv_head][j], strict=True)) for j in keys]
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                total = sum(weights)
+                lse[b, h, i] = top + math.log(total)
+                for d in range(head_dim):
+                    out[b, h, i, d] = sum(w * vd[b][kv_head][j][d] for w, j in zip(weights, keys, strict=True)) / total
+    return out, lse
