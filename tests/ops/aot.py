@@ -1,0 +1,100 @@
+"""Ahead-of-time compilation of attention kernels to cubins and a look at their SASS, no GPU needed."""
+
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import cuda.tile as ct
+from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
+
+from tilegym import autotune
+from tilegym.ops.attention import configs, kernels
+
+KERNELS = {
+    configs.FORWARD: kernels.attention_forward_kernel,
+    configs.FORWARD_LSE: kernels.attention_forward_lse_kernel,
+    configs.BACKWARD_PREPROCESS: kernels.attention_backward_preprocess_kernel,
+    configs.BACKWARD_DKDV: kernels.attention_backward_dkdv_kernel,
+    configs.BACKWARD_DQ: kernels.attention_backward_dq_kernel,
+}
+_ROW_STATS = ("Lse", "Delta")
+
+
+def _array(dtype, ndim: int) -> ArrayConstraint:
+    """An array as PyTorch hands over a contiguous, 16-byte aligned tensor."""
+    return ArrayConstraint(
+        dtype=dtype,
+        ndim=ndim,
+        index_dtype=ct.int32,
+        stride_lower_bound_incl=0,
+        alias_groups=(),
+        may_alias_internally=False,
+        stride_constant=(None,) * (ndim - 1) + (1,),
+        stride_divisible_by=(8,) * (ndim - 1) + (1,),
+        base_addr_divisible_by=16,
+    )
+
+
+def signature(kernel_name: str, dtype, head_dim: int, config: autotune.TileConfig, causal: bool) -> KernelSignature:
+    """The kernel's signature for one launch, built from its parameter names and annotations."""
+    kernel = KERNELS[kernel_name]
+    stat_dtype = ct.float64 if dtype == ct.float64 else ct.float32
+    constants = {
+        "block_m": config.block_m,
+        "block_n": config.block_n,
+        "block_d": configs.head_dim_tile(head_dim),
+        "causal": causal,
+    }
+    params = []
+    for name, param in inspect.signature(kernel._pyfunc).parameters.items():
+        if name in constants:
+            params.append(constants[name])
+        elif param.annotation is float:
+            params.append(ScalarConstraint(ct.float32))
+        elif param.annotation is int:
+            params.append(ScalarConstraint(ct.int32))
+        elif name in _ROW_STATS:
+            params.append(_array(stat_dtype, 3))
+        else:
+            params.append(_array(dtype, 4))
+    return KernelSignature(params, CallingConvention.cutile_python_v2()).with_mangled_symbol(kernel_name)
+
+
+def compile_cubin(kernel_name: str, dtype, head_dim: int, config, causal: bool, arch: str, path: Path) -> Path:
+    kernel = autotune.with_hints(KERNELS[kernel_name], config)
+    export_kernel(
+        kernel,
+        [signature(kernel_name, dtype, head_dim, config, causal)],
+        str(path),
+        gpu_code=arch,
+        output_format="cubin",
+    )
+    return path
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for root in {sysconfig.get_paths()["purelib"], *sys.path}:
+        candidate = Path(root) / "nvidia" / "cu13" / "bin" / "cuobjdump"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def sass(cubin: Path) -> str:
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    return subprocess.run([tool, "--dump-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+def count_instructions(text: str, opcode: str) -> int:
+    return len(re.findall(rf"\b{opcode}\b", text))

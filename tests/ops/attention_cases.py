@@ -1,0 +1,65 @@
+"""Shapes the attention tests run, each with the reason it is there, and the tolerance rule."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    why: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+    def __str__(self):
+        return self.why
+
+
+REGULAR = [
+    Case("regular", 2, 4, 4, 256, 256, 64),
+    Case("regular-d128", 2, 4, 4, 512, 512, 128),
+]
+IRREGULAR = [
+    Case("odd-lengths", 2, 3, 3, 77, 77, 64),
+    Case("prime-lengths", 1, 2, 2, 251, 131, 128),
+    Case("seqlen-1", 2, 2, 2, 1, 1, 64),
+    Case("one-query-many-keys", 1, 2, 2, 1, 300, 64),
+    Case("many-queries-one-key", 1, 2, 2, 300, 1, 64),
+    Case("just-past-a-tile", 1, 2, 2, 129, 129, 128),
+]
+CORNERS = [
+    Case("batch1-head1", 1, 1, 1, 128, 128, 64),
+    Case("many-heads", 1, 48, 48, 64, 64, 32),
+    Case("short", 3, 2, 2, 5, 7, 64),
+]
+SEQLEN_MISMATCH = [
+    Case("sq-lt-sk", 2, 2, 2, 100, 300, 64),
+    Case("sq-gt-sk", 2, 2, 2, 300, 100, 64),  # causal: the first 200 queries see no key
+    Case("sq-gt-sk-tiny", 1, 2, 2, 70, 3, 128),
+]
+GQA = [
+    Case("gqa-2to1", 2, 8, 4, 200, 200, 64),
+    Case("gqa-4to1", 1, 8, 2, 130, 257, 128),
+    Case("gqa-8to1", 1, 16, 2, 256, 256, 64),
+    Case("mqa", 2, 6, 1, 97, 97, 128),
+]
+HEAD_DIMS = [Case(f"d{d}", 1, 2, 2, 150, 150, d) for d in (32, 64, 80, 96, 128, 256)]
+
+# Our error against the fp64 reference may be at most this many times PyTorch SDPA's, plus EPS.
+ERROR_RATIO = 2.0
+EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
+
+
+def make_inputs(case: Case, dtype, device="cuda", requires_grad=False, generator=None):
+    """Fresh random q, k, v (never zeros)."""
+    shapes = [
+        (case.batch, case.q_heads, case.seqlen_q, case.head_dim),
+        (case.batch, case.kv_heads, case.seqlen_k, case.head_dim),
+        (case.batch, case.kv_heads, case.seqlen_k, case.head_dim),
+    ]
+    tensors = [torch.randn(s, dtype=dtype, device=device, generator=generator) for s in shapes]
+    return [t.requires_grad_(requires_grad) for t in tensors]

@@ -1,0 +1,49 @@
+"""Every attention kernel compiles ahead of time for sm_90 and sm_100, on a machine without a GPU.
+
+For each kernel: every config of its sm_90 and sm_100 tables at head dims 64 and 128, and the
+first config at the other head dims, causal and not, in bf16 (fp16 and the fp32/fp64 configs
+at one head dim). On sm_90 the matrix kernels must use warpgroup MMA (HGMMA) and must not
+spill registers to local memory (LDL/STL): a spill or a fall-back to HMMA is a slowdown that
+CPU CI can catch.
+"""
+
+import cuda.tile as ct
+import pytest
+
+from tests.ops import aot
+from tilegym.ops.attention import configs
+
+MATRIX_KERNELS = (configs.FORWARD, configs.FORWARD_LSE, configs.BACKWARD_DKDV, configs.BACKWARD_DQ)
+TUNED_HEAD_DIMS = (64, 128)
+
+
+def _compile_matrix():
+    for arch in ("sm_90", "sm_100"):
+        for kernel in configs.KERNELS:
+            for head_dim in configs.HEAD_DIMS:
+                table = configs.candidates(kernel, arch, head_dim, element_size=2)
+                chosen = table if head_dim in TUNED_HEAD_DIMS else table[:1]
+                for index, config in enumerate(chosen):
+                    for causal in (False, True):
+                        yield pytest.param(
+                            arch, kernel, ct.bfloat16, head_dim, config, causal,
+                            id=f"{arch}-{kernel}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
+                        )  # fmt: skip
+    for kernel in configs.KERNELS:
+        yield pytest.param("sm_90", kernel, ct.float16, 128, configs.candidates(kernel, "sm_90", 128, 2)[0], True,
+                           id=f"sm_90-{kernel}-d128-fp16")  # fmt: skip
+        for dtype, size in ((ct.float32, 4), (ct.float64, 8)):
+            config = configs.candidates(kernel, "sm_90", 64, size)[0]
+            yield pytest.param("sm_90", kernel, dtype, 64, config, True, id=f"sm_90-{kernel}-d64-{dtype}")
+
+
+@pytest.mark.parametrize("arch, kernel, dtype, head_dim, config, causal", list(_compile_matrix()))
+def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tmp_path):
+    cubin = aot.compile_cubin(kernel, dtype, head_dim, config, causal, arch, tmp_path / "kernel.cubin")
+    assert cubin.stat().st_size > 0
+    if arch != "sm_90" or kernel not in MATRIX_KERNELS or dtype not in (ct.float16, ct.bfloat16):
+        return
+    text = aot.sass(cubin)
+    assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
+    spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
+    assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"

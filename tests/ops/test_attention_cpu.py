@@ -1,0 +1,311 @@
+"""Attention checks that need no GPU: autotune switches and cache, config tables, validation, reference."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tilegym import autotune, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym.autotune import TileConfig
+from tilegym.ops.attention import configs, launch
+from tilegym.ops.attention.reference import attention_naive, attention_reference
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
+def test_op_disable_autotune_true(monkeypatch, value):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", value)
+    assert autotune.autotune_disabled()
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "off", ""])
+def test_op_disable_autotune_false(monkeypatch, value):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", value)
+    assert not autotune.autotune_disabled()
+
+
+def test_op_disable_autotune_unset(monkeypatch):
+    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
+    assert not autotune.autotune_disabled()
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "enabled"])
+def test_op_disable_autotune_invalid(monkeypatch, value):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", value)
+    with pytest.raises(ValueError, match="DISABLE_AUTOTUNE"):
+        autotune.autotune_disabled()
+
+
+def test_op_import_touches_no_gpu():
+    code = "import sys, tilegym, tilegym.ops; assert 'cuda.tile' not in sys.modules, 'cuda.tile imported'; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+# ---- config tables -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", configs.ARCHS)
+@pytest.mark.parametrize("kernel", configs.KERNELS)
+def test_op_config_tables_cover_every_head_dim(arch, kernel):
+    for element_size in (2, 4, 8):
+        for head_dim in configs.HEAD_DIMS:
+            table = configs.candidates(kernel, arch, head_dim, element_size)
+            assert table, f"no config for {kernel} on {arch} at d={head_dim}"
+            assert len(set(table)) == len(table), "duplicate configs waste tuning time"
+            for config in table:
+                assert config.block_m >= 1 and config.block_m & (config.block_m - 1) == 0
+                if kernel == configs.BACKWARD_PREPROCESS:
+                    assert config.block_n is None
+                else:
+                    assert config.block_n >= 1 and config.block_n & (config.block_n - 1) == 0
+                assert config.num_worker_warps in (None, 4, 8)
+                assert config.num_ctas in (None, 1, 2, 4)
+                assert config.occupancy is None or 1 <= config.occupancy <= 32
+
+
+def test_op_config_tables_stay_small():
+    """Tuning a new shape must stay quick: at most four candidates a kernel."""
+    for arch in configs.ARCHS:
+        for kernel in configs.KERNELS:
+            for head_dim in configs.HEAD_DIMS:
+                assert len(configs.candidates(kernel, arch, head_dim, 2)) <= 4
+
+
+def test_op_training_forward_tunes_like_inference_forward():
+    for arch in configs.ARCHS:
+        for head_dim in configs.HEAD_DIMS:
+            assert configs.candidates(configs.FORWARD, arch, head_dim, 2) == configs.candidates(
+                configs.FORWARD_LSE, arch, head_dim, 2
+            )
+
+
+@pytest.mark.parametrize("head_dim, tile", [(32, 32), (64, 64), (80, 128), (96, 128), (128, 128), (256, 256)], ids=str)
+def test_op_head_dim_tile(head_dim, tile):
+    assert configs.head_dim_tile(head_dim) == tile
+
+
+@pytest.mark.parametrize(
+    "capability, arch",
+    [((8, 0), "sm_80"), ((8, 9), "sm_80"), ((9, 0), "sm_90"), ((10, 0), "sm_100"), ((12, 0), "sm_120")],
+)
+def test_op_arch_family(capability, arch):
+    assert configs.arch_family(capability) == arch
+
+
+# ---- autotune cache --------------------------------------------------------------------------
+
+
+def test_op_tune_cache_round_trip(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILEGYM_CACHE_DIR", str(tmp_path))
+    cache = autotune.tune_cache("NVIDIA H100 80GB HBM3", "1.7.0")
+    config = TileConfig(block_m=128, block_n=64, num_worker_warps=8)
+    cache.put("attention_forward|key", config)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and "H100" in files[0].name and "1.7.0" in files[0].name
+    fresh = autotune.TuneCache(files[0])  # as a new process would read it
+    assert fresh.get("attention_forward|key") == config
+    assert fresh.get("attention_forward|other") is None
+
+
+def test_op_tune_cache_ignores_corrupt_file(tmp_path):
+    path = tmp_path / "cache.json"
+    path.write_text("{not json")
+    cache = autotune.TuneCache(path)
+    assert cache.get("anything") is None
+    cache.put("k", TileConfig(block_m=64, block_n=64))
+    assert autotune.TuneCache(path).get("k") == TileConfig(block_m=64, block_n=64)
+
+
+class _FakeLaunch:
+    name = "fake_kernel"
+    kernel = object()
+
+    @staticmethod
+    def grid(config):
+        return (1,)
+
+    @staticmethod
+    def args(config):
+        return ()
+
+
+def test_op_choose_config_disabled_takes_first(monkeypatch, tmp_path):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
+    cache = autotune.TuneCache(tmp_path / "c.json")
+    cache.put("fake_kernel|shape", candidates[1])
+    assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[0]
+
+
+def test_op_choose_config_uses_cache_without_tuning(monkeypatch, tmp_path):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "0")
+    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
+    cache = autotune.TuneCache(tmp_path / "c.json")
+    cache.put("fake_kernel|shape", candidates[1])
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("a cached shape must not be tuned again")
+
+    monkeypatch.setattr(autotune, "_search", no_search)
+    assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[1]
+
+
+def test_op_choose_config_tunes_once_and_stores(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "off")
+    monkeypatch.delenv("TILEGYM_AUTOTUNE_QUIET", raising=False)
+    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
+    calls = []
+
+    def fake_search(launch, cands, stream, timeout):
+        calls.append(cands)
+        return cands[1]
+
+    monkeypatch.setattr(autotune, "_search", fake_search)
+    cache = autotune.TuneCache(tmp_path / "c.json")
+    for _ in range(3):
+        assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[1]
+    assert len(calls) == 1
+    assert autotune.TuneCache(tmp_path / "c.json").get("fake_kernel|shape") == candidates[1]
+    progress = capsys.readouterr().err.strip().splitlines()
+    assert len(progress) == 1 and "tuning fake_kernel" in progress[0]
+
+
+def test_op_tuning_progress_can_be_silenced(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "0")
+    monkeypatch.setenv("TILEGYM_AUTOTUNE_QUIET", "1")
+    monkeypatch.setattr(autotune, "_search", lambda launch, cands, stream, timeout: cands[0])
+    autotune.choose_config(
+        _FakeLaunch, [TileConfig(64, 64), TileConfig(32, 32)], "s", autotune.TuneCache(tmp_path / "c"), None
+    )
+    assert capsys.readouterr().err == ""
+
+
+def test_op_search_falls_back_when_every_candidate_fails(monkeypatch):
+    from cuda.tile import tune
+
+    def failing_search(*args, **kwargs):
+        raise ValueError("No valid config found in search space.")
+
+    monkeypatch.setattr(tune, "exhaustive_search", failing_search)
+    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
+    with pytest.warns(UserWarning, match="using the default"):
+        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[0]
+
+
+def test_op_search_warns_once_per_failed_candidate(monkeypatch):
+    from cuda.tile import tune
+
+    candidates = [TileConfig(64, 64), TileConfig(128, 128), TileConfig(32, 32)]
+
+    class Result:
+        best = type("Best", (), {"config": candidates[2]})()
+        failures = [(candidates[0], RuntimeError, "ptxas out of registers\nmore"), (candidates[1], TimeoutError, "")]
+
+    monkeypatch.setattr(tune, "exhaustive_search", lambda *a, **k: Result)
+    with pytest.warns(UserWarning) as record:
+        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[2]
+    assert len(record) == 2 and "ptxas out of registers" in str(record[0].message)
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+
+def _cpu_inputs(q_shape=(1, 4, 16, 64), kv_shape=(1, 2, 16, 64), dtype=torch.bfloat16):
+    return torch.randn(q_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("api", [tile_fmha, tile_fmha_with_backward, tile_fmha_functional])
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda q, k, v: ([1.0], k, v), TypeError, "q must be a torch.Tensor"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
+        (lambda q, k, v: (q, k.int(), v), TypeError, "k has dtype torch.int32"),
+        (lambda q, k, v: (q, k.half(), v), TypeError, "share one dtype"),
+        (lambda q, k, v: (q, k, v[:, :, :8]), ValueError, "same shape"),
+        (lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), ValueError, "batch size"),
+        (lambda q, k, v: (q[..., :32], k, v), ValueError, "head dim of q"),
+        (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), ValueError, "head dim 48 is not supported"),
+        (lambda q, k, v: (q[:, :3], k, v), ValueError, "multiple of"),
+        (lambda q, k, v: (q, k, v), ValueError, "q must be a CUDA tensor"),
+    ],
+    ids=[
+        "not-tensor",
+        "rank",
+        "int-dtype",
+        "mixed-dtype",
+        "k-v-shape",
+        "batch",
+        "head-dim",
+        "bad-head-dim",
+        "gqa",
+        "cpu",
+    ],
+)
+def test_op_attention_rejects_bad_input(api, mutate, error, message):
+    q, k, v = mutate(*_cpu_inputs())
+    with pytest.raises(error, match=message):
+        api(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"scaling": "0.1"}, TypeError, "scaling must be a float"),
+        ({"scaling": True}, TypeError, "scaling must be a float"),
+        ({"scaling": math.nan}, ValueError, "scaling must be finite"),
+        ({"scaling": 1e300}, ValueError, "float32 range"),
+        ({"is_causal": 1}, TypeError, "is_causal must be a bool"),
+    ],
+    ids=["str-scale", "bool-scale", "nan-scale", "huge-scale", "int-causal"],
+)
+def test_op_attention_rejects_bad_options(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        tile_fmha(*_cpu_inputs(), **kwargs)
+
+
+def test_op_attention_rejects_huge_grid():
+    q, k, v = (torch.empty((70000, 1, 1, 64), dtype=torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match="at most 65535"):
+        tile_fmha(q, k, v)
+
+
+def test_op_split_float_is_exact_to_fp64_rounding():
+    for x in (1 / math.sqrt(80) * launch.LOG2E, 0.125, -0.3, 1e-6):
+        hi, lo = launch.split_float(x)
+        assert abs((hi + lo) - x) <= 1e-14 * abs(x)
+
+
+def test_op_shape_key_rounds_sequence_lengths():
+    problem = launch.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, True)
+    assert problem.shape_key("sm_90") == "sm_90|bfloat16|d128|g4|causal|sq1024|sk2048"
+
+
+# ---- reference ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape", [(1, 2, 2, 5, 7, 8), (2, 4, 2, 9, 4, 16), (1, 3, 1, 1, 1, 8), (1, 2, 1, 6, 2, 8)], ids=str
+)
+def test_op_reference_matches_naive(shape, causal):
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(batch, q_heads, seqlen_q, head_dim, generator=generator)
+    k = torch.randn(batch, kv_heads, seqlen_k, head_dim, generator=generator)
+    v = torch.randn(batch, kv_heads, seqlen_k, head_dim, generator=generator)
+    out, lse = attention_reference(q, k, v, scaling=0.7, is_causal=causal)
+    naive_out, naive_lse = attention_naive(q, k, v, scaling=0.7, is_causal=causal)
+    torch.testing.assert_close(out, naive_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, naive_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_op_reference_gradients_finite_for_rows_without_keys():
+    q, k, v = (torch.randn(1, 1, n, 8, dtype=torch.float64, requires_grad=True) for n in (6, 2, 2))
+    out, lse = attention_reference(q, k, v, is_causal=True)
+    assert torch.isinf(lse[0, 0, :4]).all() and torch.isfinite(lse[0, 0, 4:]).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.equal(q.grad[0, 0, :4], torch.zeros(4, 8, dtype=torch.float64))
