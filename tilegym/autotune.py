@@ -3,7 +3,7 @@
 One mechanism for every kernel: given the kernel's candidate configs (first one the
 default), a launch either takes the default (DISABLE_AUTOTUNE), or a config already chosen
 for this shape key (memory, then a JSON file under the user's cache dir), or times the
-candidates with cuda.tile.tune.exhaustive_search and stores the winner.
+candidates (median of a few launches each, after the compiling one) and stores the winner.
 
 Tuning never raises: a candidate that fails to compile, or that runs past the compile
 timeout, is skipped with one warning, and if none works the default is used.
@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,39 +180,65 @@ def choose_config(
     cached = cache.get(key)
     if cached is not None and cached in candidates:
         return cached
-    _progress(f"tuning {launch.name} for {shape_key} over {len(candidates)} configs")
+    started = time.perf_counter()
     best = _search(launch, candidates, stream, compile_timeout_sec)
+    elapsed = time.perf_counter() - started
+    _progress(
+        f"tuned {launch.name} for {shape_key}: {len(candidates)} configs in {elapsed:.1f} s, chose {best.to_json()}"
+    )
     cache.put(key, best)
     return best
 
 
-def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compile_timeout_sec: float) -> TileConfig:
-    import cuda.tile as ct
-    from cuda.tile import tune
+# Each candidate is timed for about this long after its first (compiling) launch: long
+# enough for a stable median, short enough that a first call stays quick.
+_TIMING_BUDGET_MS = 30.0
+_MIN_TIMED_RUNS = 3
+_MAX_TIMED_RUNS = 50
 
-    try:
-        with ct.compiler_timeout(compile_timeout_sec):
-            result = tune.exhaustive_search(
-                list(candidates),
-                stream,
-                launch.grid,
-                lambda config: with_hints(launch.kernel, config),
-                launch.args,
-                quiet=True,
+
+def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compile_timeout_sec: float) -> TileConfig:
+    """The candidate with the smallest median time; failures are skipped with a warning."""
+    import cuda.tile as ct
+
+    medians = {}
+    for config in candidates:
+        try:
+            with ct.compiler_timeout(compile_timeout_sec):
+                medians[config] = _median_ms(launch, config, stream)
+        except Exception as error:  # a config that does not compile must not fail the call
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            warnings.warn(
+                f"tilegym: skipped config {config.to_json()} of {launch.name}: {type(error).__name__}: {first_line}",
+                stacklevel=4,
             )
-    except Exception as error:  # every candidate failed: never fail the user's call for it
-        warnings.warn(
-            f"tilegym: no candidate config of {launch.name} could be timed ({error}); using the default",
-            stacklevel=4,
-        )
+    if not medians:
+        warnings.warn(f"tilegym: no config of {launch.name} could be timed; using the default", stacklevel=4)
         return candidates[0]
-    for config, error_type, message in result.failures:
-        first_line = message.splitlines()[0] if message else ""
-        warnings.warn(
-            f"tilegym: skipped config {config.to_json()} of {launch.name}: {error_type.__name__}: {first_line}",
-            stacklevel=4,
-        )
-    return result.best.config
+    return min(medians, key=medians.get)
+
+
+def _median_ms(launch: TunedKernel, config: TileConfig, stream) -> float:
+    """Median time of one launch in ms, on a torch CUDA stream."""
+    import cuda.tile as ct
+    import torch
+
+    grid, kernel, args = launch.grid(config), with_hints(launch.kernel, config), launch.args(config)
+
+    def timed_runs(count: int) -> list[float]:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
+        for start, end in events:
+            start.record(stream)
+            ct.launch(stream, grid, kernel, args)
+            end.record(stream)
+        end.synchronize()
+        return sorted(start.elapsed_time(end) for start, end in events)
+
+    ct.launch(stream, grid, kernel, args)  # compiles
+    first = timed_runs(1)[0]
+    count = int(min(max(_TIMING_BUDGET_MS / max(first, 1e-3), _MIN_TIMED_RUNS), _MAX_TIMED_RUNS))
+    times = timed_runs(count)
+    return times[len(times) // 2]
 
 
 def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream):

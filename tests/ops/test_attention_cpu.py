@@ -169,7 +169,7 @@ def test_op_choose_config_tunes_once_and_stores(monkeypatch, tmp_path, capsys):
     assert len(calls) == 1
     assert autotune.TuneCache(tmp_path / "c.json").get("fake_kernel|shape") == candidates[1]
     progress = capsys.readouterr().err.strip().splitlines()
-    assert len(progress) == 1 and "tuning fake_kernel" in progress[0]
+    assert len(progress) == 1 and "tuned fake_kernel" in progress[0]
 
 
 def test_op_tuning_progress_can_be_silenced(monkeypatch, tmp_path, capsys):
@@ -183,30 +183,32 @@ def test_op_tuning_progress_can_be_silenced(monkeypatch, tmp_path, capsys):
 
 
 def test_op_search_falls_back_when_every_candidate_fails(monkeypatch):
-    from cuda.tile import tune
+    def failing(launch, config, stream):
+        raise RuntimeError("tileiras: out of registers")
 
-    def failing_search(*args, **kwargs):
-        raise ValueError("No valid config found in search space.")
-
-    monkeypatch.setattr(tune, "exhaustive_search", failing_search)
+    monkeypatch.setattr(autotune, "_median_ms", failing)
     candidates = [TileConfig(64, 64), TileConfig(128, 128)]
-    with pytest.warns(UserWarning, match="using the default"):
-        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[0]
-
-
-def test_op_search_warns_once_per_failed_candidate(monkeypatch):
-    from cuda.tile import tune
-
-    candidates = [TileConfig(64, 64), TileConfig(128, 128), TileConfig(32, 32)]
-
-    class Result:
-        best = type("Best", (), {"config": candidates[2]})()
-        failures = [(candidates[0], RuntimeError, "ptxas out of registers\nmore"), (candidates[1], TimeoutError, "")]
-
-    monkeypatch.setattr(tune, "exhaustive_search", lambda *a, **k: Result)
     with pytest.warns(UserWarning) as record:
-        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[2]
+        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[0]
+    assert len(record) == 3 and "using the default" in str(record[-1].message)
+
+
+def test_op_search_warns_once_per_failed_candidate_and_picks_the_fastest(monkeypatch):
+    candidates = [TileConfig(64, 64), TileConfig(128, 128), TileConfig(32, 32), TileConfig(16, 16)]
+    times = {candidates[2]: 2.0, candidates[3]: 1.5}
+
+    def fake_median(launch, config, stream):
+        if config == candidates[0]:
+            raise RuntimeError("ptxas out of registers\nmore")
+        if config == candidates[1]:
+            raise TimeoutError()
+        return times[config]
+
+    monkeypatch.setattr(autotune, "_median_ms", fake_median)
+    with pytest.warns(UserWarning) as record:
+        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[3]
     assert len(record) == 2 and "ptxas out of registers" in str(record[0].message)
+    assert "TimeoutError" in str(record[1].message)
 
 
 # ---- validation ---------------------------------------------------------------------------
