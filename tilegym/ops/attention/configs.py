@@ -53,8 +53,8 @@ _SM90_DQ = {
     128: [_c(128, 64, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
-# The preprocess is a row reduction: memory bound, only the row tile matters.
-_PREPROCESS = {32: [_c(128), _c(64)], 64: [_c(128), _c(64)], 128: [_c(64), _c(128)], 256: [_c(32), _c(64)]}
+# The preprocess is a row reduction, memory bound: one config per head dim, never tuned.
+_PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
 
 # Ampere-class parts (sm_80, sm_120) have no warpgroup MMA: plain 64/128 tiles.
 _SM80_FORWARD = {
