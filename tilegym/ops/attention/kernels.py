@@ -19,6 +19,7 @@ ConstBool = ct.Constant[bool]
 NEG_INF = float("-inf")
 POS_INF = float("inf")
 LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
 ZERO_PAD = ct.PaddingMode.ZERO
 
 
@@ -60,6 +61,13 @@ def _ln2(dtype):
     if dtype == ct.float64:
         return ct.log(ct.full((1,), 2.0, ct.float64))
     return LN2
+
+
+@ct.function
+def _log2e(dtype):
+    if dtype == ct.float64:
+        return 1.0 / _ln2(dtype)
+    return LOG2E
 
 
 @ct.function
@@ -246,7 +254,7 @@ def attention_backward_preprocess_kernel(Out, dOut, Delta, block_m: ConstInt, bl
 def _base2_lse(Lse, b, q_head, q_tile, block_m: ConstInt):
     # A row that saw no key has LSE -inf; +inf makes its probabilities exp2(s - inf) = 0.
     lse = _load_row_stat(Lse, b, q_head, q_tile, block_m)
-    return ct.where(lse == NEG_INF, POS_INF, lse / _ln2(lse.dtype))
+    return ct.where(lse == NEG_INF, POS_INF, lse * _log2e(lse.dtype))
 
 
 @ct.function
