@@ -35,22 +35,22 @@ def _c(block_m, block_n=None, **hints) -> TileConfig:
 # Hopper: 128-row tiles need 8 worker warps (two warpgroups) to hold their fp32
 # accumulators without spilling; 64-row tiles fit one warpgroup.
 _SM90_FORWARD = {
-    32: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 128), _c(64, 64)],
-    64: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 128), _c(128, 64, num_worker_warps=8)],
-    128: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 128), _c(128, 128, num_worker_warps=8, occupancy=2)],
+    32: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 64)],
+    64: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(128, 64, num_worker_warps=8)],
+    128: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(128, 128, num_worker_warps=8, occupancy=2)],
     256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
 }
 _SM90_DKDV = {
     32: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
-    64: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
-    128: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(32, 128, num_worker_warps=8)],
+    64: [_c(64, 128, num_worker_warps=8), _c(64, 64)],
+    128: [_c(64, 128, num_worker_warps=8), _c(32, 128, num_worker_warps=8)],
     # D=256: dK and dV take 2 x 64 x 256 fp32 accumulators; 16-row query tiles keep them in registers.
     256: [_c(16, 64, num_worker_warps=8), _c(32, 64, num_worker_warps=8)],
 }
 _SM90_DQ = {
-    32: [_c(128, 64, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
-    64: [_c(128, 64, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
-    128: [_c(128, 64, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
+    32: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
+    64: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
+    128: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
 # The preprocess is a row reduction, memory bound: one config per head dim, never tuned.
