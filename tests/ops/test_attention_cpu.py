@@ -311,3 +311,26 @@ def test_op_reference_gradients_finite_for_rows_without_keys():
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert torch.equal(q.grad[0, 0, :4], torch.zeros(4, 8, dtype=torch.float64))
+
+
+# ---- batch folding ----------------------------------------------------------------------------
+
+
+def test_op_fold_batch_into_heads_keeps_gqa_pairs():
+    q, k = torch.randn(3, 8, 5, 4), torch.randn(3, 2, 7, 4)
+    q_folded, k_folded = launch.fold_batch_into_heads(q, k)
+    assert q_folded.shape == (1, 24, 5, 4) and k_folded.shape == (1, 6, 7, 4)
+    assert q_folded.data_ptr() == q.data_ptr()  # a view, no copy
+    group = 8 // 2
+    for b in range(3):
+        for h in range(8):
+            assert torch.equal(q_folded[0, b * 8 + h], q[b, h])
+            assert torch.equal(k_folded[0, (b * 8 + h) // group], k[b, h // group])
+
+
+def test_op_fold_batch_into_heads_all_or_nothing():
+    q = torch.randn(2, 5, 4, 8).transpose(1, 2)  # a [B, S, H, D] tensor viewed as [B, H, S, D]
+    k = torch.randn(2, 4, 5, 8)
+    assert launch.fold_batch_into_heads(q, k) == (q, k)
+    single = torch.randn(1, 4, 5, 8)
+    assert launch.fold_batch_into_heads(single)[0] is single

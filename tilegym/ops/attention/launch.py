@@ -125,6 +125,26 @@ def addressable(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+_MAX_GRID_Y = 65535
+
+
+def fold_batch_into_heads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[B, H, ...] views as [1, B*H, ...] when every tensor allows it, else the tensors as they are.
+
+    The kernels index (batch, head) from the grid, and query head h of batch b folds to
+    b*Hq + h, whose K/V head (b*Hq + h) // group is b*Hkv + h // group: the same head.
+    Folding keeps the batch size out of cuTile's specialization (a shape's divisibility
+    is compiled in), so a new batch size rarely means a new compile.
+    """
+    batch = tensors[0].shape[0]
+    foldable = batch > 1 and all(
+        t.stride(0) == t.shape[1] * t.stride(1) and t.shape[0] * t.shape[1] <= _MAX_GRID_Y for t in tensors
+    )
+    if not foldable:
+        return tensors
+    return tuple(t.view(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in tensors)
+
+
 def _row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
     return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=dtype, device=device)
@@ -157,8 +177,9 @@ class _Launcher:
         autotune.launch_tuned(launch, self.candidates(name), self.shape_key, self.cache, self.stream)
 
 
-def _query_tile_grid(problem: AttentionProblem):
-    return lambda config: (math.ceil(problem.seqlen_q / config.block_m), problem.q_heads, problem.batch)
+def _sequence_tile_grid(rows: torch.Tensor, seqlen: int, block: str):
+    """(sequence tiles, heads, batch) of a [B, H, S, ...] tensor, tiles of config.<block> rows."""
+    return lambda config: (math.ceil(seqlen / getattr(config, block)), rows.shape[1], rows.shape[0])
 
 
 def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None):
@@ -192,10 +213,12 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
         name, kernel = configs.FORWARD, kernels.attention_forward_kernel
         outputs = (out,)
 
+    q, k, v, *outputs = fold_batch_into_heads(q, k, v, *outputs)
+
     def args(config):
         return (q, k, v, *outputs, *qk_scale_log2, group, config.block_m, config.block_n, head_tile, problem.causal)
 
-    launcher.launch(name, kernel, _query_tile_grid(problem), args)
+    launcher.launch(name, kernel, _sequence_tile_grid(q, problem.seqlen_q, "block_m"), args)
     return out, lse
 
 
@@ -221,16 +244,18 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None):
     launcher = _Launcher(problem, q.device)
 
     delta = _row_stat(problem, q.device)
+    q, k, v, out, d_out, lse, delta, dq, dk, dv = fold_batch_into_heads(q, k, v, out, d_out, lse, delta, dq, dk, dv)
+    query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
     launcher.launch(
         configs.BACKWARD_PREPROCESS,
         kernels.attention_backward_preprocess_kernel,
-        _query_tile_grid(problem),
+        query_tiles,
         lambda config: (out, d_out, delta, config.block_m, head_tile),
     )
     launcher.launch(
         configs.BACKWARD_DKDV,
         kernels.attention_backward_dkdv_kernel,
-        lambda config: (math.ceil(problem.seqlen_k / config.block_n), problem.kv_heads, problem.batch),
+        _sequence_tile_grid(k, problem.seqlen_k, "block_n"),
         lambda config: (
             q,
             k,
@@ -252,7 +277,7 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None):
     launcher.launch(
         configs.BACKWARD_DQ,
         kernels.attention_backward_dq_kernel,
-        _query_tile_grid(problem),
+        query_tiles,
         lambda config: (
             q,
             k,
@@ -270,4 +295,4 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None):
             causal,
         ),  # fmt: skip
     )
-    return dq, dk, dv
+    return grads
