@@ -1,0 +1,86 @@
+"""CPU tests of the benchmark helpers: FLOP and byte counting, shapes, tables and plots."""
+
+import pytest
+import torch
+
+from tests.benchmark import bench_utils
+from tests.benchmark.bench_utils import Result, Shape
+from tilegym.ops.attention.reference import causal_mask
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (7, 7), (5, 12), (12, 5), (300, 100), (1, 300), (64, 65)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bench_visible_pairs_match_the_mask(seqlen_q, seqlen_k, causal):
+    expected = int(causal_mask(seqlen_q, seqlen_k).sum()) if causal else seqlen_q * seqlen_k
+    assert bench_utils.visible_pairs(seqlen_q, seqlen_k, causal) == expected
+
+
+def test_bench_flops_per_mode():
+    full = Shape(2, 16, 16, 1024, 1024, 128, False, "bfloat16")
+    causal = Shape(2, 16, 16, 1024, 1024, 128, True, "bfloat16")
+    assert bench_utils.flops("fwd", full) == 4 * 2 * 16 * 128 * 1024 * 1024
+    # Causal with Sq = Sk keeps the diagonal: a bit more than half the pairs.
+    assert bench_utils.flops("fwd", causal) == 4 * 2 * 16 * 128 * (1024 * 1025 // 2)
+    assert bench_utils.flops("bwd", full) == 2.5 * bench_utils.flops("fwd", full)
+    assert bench_utils.flops("fwd+bwd", causal) == 3.5 * bench_utils.flops("fwd", causal)
+    # Sq > Sk, bottom-right: the first Sq - Sk queries see nothing.
+    tall = Shape(1, 1, 1, 300, 100, 64, True, "float16")
+    assert bench_utils.flops("fwd", tall) == 4 * 64 * (100 * 101 // 2)
+
+
+def test_bench_min_bytes():
+    shape = Shape(batch=1, q_heads=4, kv_heads=2, seqlen_q=8, seqlen_k=16, head_dim=32, causal=True, dtype="float16")
+    q, kv, rows = 1 * 4 * 8 * 32, 1 * 2 * 16 * 32, 1 * 4 * 8
+    forward = 2 * (q + 2 * kv) + 2 * q + 4 * rows  # read q, k, v; write out and LSE
+    backward = 2 * (3 * q + 2 * kv) + 4 * rows + 2 * (q + 2 * kv) + 8 * rows  # + dq, dk, dv, Delta
+    assert bench_utils.min_bytes("fwd", shape) == forward
+    assert bench_utils.min_bytes("fwd", shape, with_lse=False) == forward - 4 * rows
+    assert bench_utils.min_bytes("bwd", shape) == backward
+    assert bench_utils.min_bytes("fwd+bwd", shape) == forward + backward
+
+
+def test_bench_shapes_follow_the_token_and_hidden_convention():
+    shapes = bench_utils.shapes([64, 128], [False, True], ["bfloat16", "float16"], gqa=True)
+    for shape in shapes:
+        assert shape.batch * shape.seqlen_q == bench_utils.TOKENS
+        assert shape.q_heads * shape.head_dim == bench_utils.HIDDEN
+    gqa = [s for s in shapes if s.kv_heads != s.q_heads]
+    assert gqa and all(s.q_heads == 8 * s.kv_heads and s.dtype == "bfloat16" for s in gqa)
+    assert {s.series for s in gqa} == {"d64-full-bfloat16-gqa8", "d64-causal-bfloat16-gqa8",
+                                       "d128-full-bfloat16-gqa8", "d128-causal-bfloat16-gqa8"}  # fmt: skip
+
+
+def _synthetic_results():
+    results = []
+    for seqlen in (512, 1024, 2048):
+        shape = Shape(16384 // seqlen, 16, 16, seqlen, seqlen, 128, True, "bfloat16")
+        for provider, speed in (("cutile", 1.0), ("cudnn", 1.25)):
+            ms = bench_utils.flops("fwd", shape) / (speed * 400e12) * 1e3
+            results.append(Result("fwd", provider, shape, ms=ms, tflops=400 * speed, gbps=100 * speed, max_error=1e-3))
+    results.append(Result("fwd", "math", shape, note="skipped: scores do not fit in memory"))
+    return results
+
+
+def test_bench_table_shows_ratio_and_notes():
+    text = bench_utils.table(_synthetic_results())
+    assert "0.80x" in text and "scores do not fit" in text
+
+
+def test_bench_plots_and_json_round_trip(tmp_path):
+    results = _synthetic_results()
+    bench_utils.save_json(results, tmp_path / "run.json", {"gpu": "synthetic"})
+    loaded = bench_utils.load_json(tmp_path / "run.json")
+    assert loaded == results
+    written = bench_utils.plot(loaded, tmp_path / "plots", "attention_training")
+    names = sorted(p.name for p in written)
+    assert names == ["attention_training-fwd-d128-causal-bfloat16-GBps.png",
+                     "attention_training-fwd-d128-causal-bfloat16-TFLOPS.png"]  # fmt: skip
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_bench_quick_run_skips_cleanly_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only behaviour")
+    result = bench_utils.measure("fwd", "cudnn", Shape(1, 2, 2, 64, 64, 64, False, "bfloat16"))
+    assert result.tflops is None and result.note
