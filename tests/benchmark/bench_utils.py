@@ -188,7 +188,7 @@ def check_output(out, q, k, v, shape: Shape, rows: int = 256) -> float:
 WRONG_ABOVE = {"bfloat16": 5e-2, "float16": 1e-2}
 
 
-def median_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+def median_ms(fn, warmup_ms: float = 10, rep_ms: float = 50) -> float:
     """Median time of fn in ms: triton's do_bench when available, else CUDA events."""
     try:
         from triton.testing import do_bench
@@ -327,9 +327,38 @@ def table(results: list[Result]) -> str:
         if ours and cudnn and ours.tflops and cudnn.tflops:
             ratio = f"{ours.tflops / cudnn.tflops:.2f}x"
         lines.append(f"{mode:8s} {series:28s} {seqlen:6d} {cells} {ratio:>10s}")
-    notes = sorted({f"{r.provider} {r.shape.series} S={r.shape.seqlen_q}: {r.note}" for r in results if r.note})
+    notes: dict[tuple[str, str, str], list[int]] = {}
+    for r in results:
+        if r.note:
+            notes.setdefault((r.provider, r.shape.series, r.note), []).append(r.shape.seqlen_q)
     if notes:
-        lines += ["", "notes:"] + [f"  {n}" for n in notes]
+        lines += ["", "notes:"]
+        for (provider, series, note), seqlens in sorted(notes.items()):
+            lengths = ",".join(str(s) for s in sorted(set(seqlens)))
+            lines.append(f"  {provider} {series} S={lengths}: {note}")
+    return "\n".join(lines)
+
+
+def markdown_summary(results: list[Result], seqlens=(1024, 4096, 16384), dtype: str = "bfloat16") -> str:
+    """TFLOPS of ours, cuDNN and FlashAttention-2 per mode, and ours / cuDNN, as a Markdown table."""
+    index = {(r.mode, r.shape.series, r.shape.seqlen_q, r.provider): r for r in results}
+    modes = [m for m in MODE_FLOP_FACTOR if any(r.mode == m for r in results)]
+    series_list = sorted({r.shape.series for r in results if r.shape.dtype == dtype and "gqa" not in r.shape.series})
+    header = "| D, mask | S | " + " | ".join(f"{m} ours / cuDNN / FA2 (ratio)" for m in modes) + " |"
+    lines = [header, "|" + " --- |" * (2 + len(modes))]
+    for series in series_list:
+        for seqlen in seqlens:
+            cells = []
+            for mode in modes:
+                values = [index.get((mode, series, seqlen, p)) for p in ("cutile", "cudnn", "flash")]
+                numbers = [f"{v.tflops:.0f}" if v and v.tflops else "n/a" for v in values]
+                ours, cudnn = values[0], values[1]
+                ratio = (
+                    f" ({ours.tflops / cudnn.tflops:.2f}x)" if ours and cudnn and ours.tflops and cudnn.tflops else ""
+                )
+                cells.append(" / ".join(numbers) + ratio)
+            label = series.replace(f"-{dtype}", "").replace("-", ", ")
+            lines.append(f"| {label} | {seqlen} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -391,7 +420,7 @@ def parser(description: str, modes: tuple[str, ...]) -> argparse.ArgumentParser:
     p.add_argument("--no-gqa", action="store_true", help="leave out the GQA 8:1 series")
     p.add_argument("--quick", action="store_true", help="a small subset: bf16, S in {1024, 4096}, no GQA")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for JSON and plots")
-    p.add_argument("--replot", type=Path, help="only plot the results of an earlier JSON file")
+    p.add_argument("--replot", type=Path, help="only plot (and summarize) the results of an earlier JSON file")
     return p
 
 
@@ -403,8 +432,11 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
     args = parser(description, modes).parse_args()
     if args.replot:
         results = load_json(args.replot)
-        for path in plot(results, args.out, prefix):
-            print(path)
+        plots = plot(results, args.out, prefix)
+        print(table(results))
+        print()
+        print(markdown_summary(results))
+        print(f"\n{len(plots)} plots in {args.out}")
         return
     seqlens, dtypes, gqa = args.seqlens, args.dtypes, not args.no_gqa
     if args.quick:

@@ -84,3 +84,8 @@ def test_bench_quick_run_skips_cleanly_without_a_gpu():
         pytest.skip("checks the CPU-only behaviour")
     result = bench_utils.measure("fwd", "cudnn", Shape(1, 2, 2, 64, 64, 64, False, "bfloat16"))
     assert result.tflops is None and result.note
+
+
+def test_bench_markdown_summary_has_ratio():
+    text = bench_utils.markdown_summary(_synthetic_results(), seqlens=(1024,))
+    assert "| d128, causal | 1024 | 400 / 500 / n/a (0.80x) |" in text
