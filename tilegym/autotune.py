@@ -241,10 +241,20 @@ def _median_ms(launch: TunedKernel, config: TileConfig, stream) -> float:
     return times[len(times) // 2]
 
 
+# (kernel, shape key, cache file, tuning disabled) -> (config, hinted kernel): after the first
+# call for a shape, a launch skips the tune cache and the hint lookup.
+_chosen: dict[tuple, tuple[TileConfig, object]] = {}
+
+
 def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream):
-    """Choose the config (see choose_config) and launch the kernel with it."""
+    """Choose the config (see choose_config), once per shape key, and launch the kernel with it."""
     import cuda.tile as ct
 
-    config = choose_config(launch, candidates, shape_key, cache, stream)
-    ct.launch(stream, launch.grid(config), with_hints(launch.kernel, config), launch.args(config))
+    memo_key = (launch.name, shape_key, cache.path, autotune_disabled())
+    chosen = _chosen.get(memo_key)
+    if chosen is None:
+        config = choose_config(launch, candidates, shape_key, cache, stream)
+        chosen = _chosen[memo_key] = (config, with_hints(launch.kernel, config))
+    config, kernel = chosen
+    ct.launch(stream, launch.grid(config), kernel, launch.args(config))
     return config

@@ -169,8 +169,7 @@ class _Launcher:
         self.stream = torch.cuda.current_stream(device)
 
     def candidates(self, kernel_name: str):
-        element_size = torch.empty((), dtype=self.problem.dtype).element_size()
-        return configs.candidates(kernel_name, self.arch, self.problem.head_dim, element_size)
+        return configs.candidates(kernel_name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)
 
     def launch(self, name: str, kernel, grid, args) -> None:
         launch = autotune.TunedKernel(name, kernel, grid, args)
