@@ -49,8 +49,10 @@ GQA = [
 ]
 HEAD_DIMS = [Case(f"d{d}", 1, 2, 2, 150, 150, d) for d in (32, 64, 80, 96, 128, 256)]
 
-# Our error against the fp64 reference may be at most this many times PyTorch SDPA's, plus EPS.
+# Our RMS error against the fp64 reference may be at most ERROR_RATIO times PyTorch SDPA's,
+# plus EPS; our max error at most MAX_ERROR_RATIO times SDPA's, plus EPS.
 ERROR_RATIO = 2.0
+MAX_ERROR_RATIO = 4.0
 EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
 
 

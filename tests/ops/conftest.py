@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import pytest
 import torch
@@ -7,6 +8,13 @@ import torch
 # TILEGYM_TEST_AUTOTUNE=1 keeps tuning on, to check the tuned configs too.
 if os.environ.get("TILEGYM_TEST_AUTOTUNE", "") not in ("1", "true", "yes", "on"):
     os.environ["DISABLE_AUTOTUNE"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    """Fresh random inputs in every test, reproducible from the test's name."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
