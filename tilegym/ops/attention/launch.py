@@ -13,7 +13,7 @@ from tilegym.ops.attention import configs
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_GRID_YZ = 65535
 _MAX_INT32 = 2**31 - 1
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # also in kernels.py, which this module imports only on launch
 _FP32_MAX = 3.4028234663852886e38
 
 
@@ -125,9 +125,6 @@ def addressable(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-_MAX_GRID_Y = 65535
-
-
 def fold_batch_into_heads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[B, H, ...] views as [1, B*H, ...] when every tensor allows it, else the tensors as they are.
 
@@ -138,7 +135,7 @@ def fold_batch_into_heads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """
     batch = tensors[0].shape[0]
     foldable = batch > 1 and all(
-        t.stride(0) == t.shape[1] * t.stride(1) and t.shape[0] * t.shape[1] <= _MAX_GRID_Y for t in tensors
+        t.stride(0) == t.shape[1] * t.stride(1) and t.shape[0] * t.shape[1] <= _MAX_GRID_YZ for t in tensors
     )
     if not foldable:
         return tensors
