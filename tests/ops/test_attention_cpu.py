@@ -334,3 +334,52 @@ def test_op_fold_batch_into_heads_all_or_nothing():
     assert launch.fold_batch_into_heads(q, k) == (q, k)
     single = torch.randn(1, 4, 5, 8)
     assert launch.fold_batch_into_heads(single)[0] is single
+
+
+# ---- launch arguments -------------------------------------------------------------------------
+
+
+class _RecordingLauncher:
+    """Stands in for launch._Launcher on the CPU: records each launch instead of running it."""
+
+    launches: list = []
+
+    def __init__(self, problem, device):
+        self.arch = "sm_90"
+        self.problem = problem
+
+    def launch(self, name, kernel, grid, args):
+        config = configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)[0]
+        self.launches.append((name, kernel, grid(config), args(config), config))
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["batch1", "batch3-folded"])
+def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
+    """Every argument tuple has one value per kernel parameter, each array in its place."""
+    import inspect
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    _RecordingLauncher.launches = []
+    q, k, v = _cpu_inputs(q_shape=(batch, 4, 40, 64), kv_shape=(batch, 2, 24, 64))
+    problem = launch.AttentionProblem(batch, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, True)
+    out, lse = launch.forward(q, k, v, problem, with_lse=True)
+    inference_out, _ = launch.forward(q, k, v, problem, with_lse=False)
+    d_out = torch.randn_like(q)
+    dq, dk, dv = launch.backward(d_out, q, k, v, out, lse, problem)
+
+    arrays = {"Q": q, "K": k, "V": v, "Out": out, "Lse": lse, "dOut": d_out, "dQ": dq, "dK": dk, "dV": dv}
+    launched = [name for name, *_ in _RecordingLauncher.launches]
+    assert launched == [configs.FORWARD_LSE, configs.FORWARD, *configs.KERNELS[2:]]
+    for name, kernel, grid, args, config in _RecordingLauncher.launches:
+        parameters = list(inspect.signature(kernel._pyfunc).parameters)
+        assert len(args) == len(parameters), name
+        values = dict(zip(parameters, args, strict=True))
+        expected = arrays | ({"Out": inference_out} if name == configs.FORWARD else {})
+        for parameter, value in values.items():
+            if parameter in expected:
+                assert value.data_ptr() == expected[parameter].data_ptr(), f"{name}: {parameter}"
+                assert value.numel() == expected[parameter].numel(), f"{name}: {parameter}"
+        assert values["block_m"] == config.block_m and values.get("block_n", config.block_n) == config.block_n
+        assert values.get("causal", True) is True and values.get("query_group_size", 2) == 2
+        heads = 2 if name == configs.BACKWARD_DKDV else 4
+        assert grid[1:] == ((batch * heads, 1) if batch > 1 else (heads, 1)), name
