@@ -248,47 +248,14 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None):
         query_tiles,
         lambda config: (out, d_out, delta, config.block_m, head_tile),
     )
-    launcher.launch(
-        configs.BACKWARD_DKDV,
-        kernels.attention_backward_dkdv_kernel,
-        _sequence_tile_grid(k, problem.seqlen_k, "block_n"),
-        lambda config: (
-            q,
-            k,
-            v,
-            d_out,
-            lse,
-            delta,
-            dk,
-            dv,
-            *scale,
-            *qk_scale_log2,
-            group,
-            config.block_m,
-            config.block_n,
-            head_tile,
-            causal,
-        ),  # fmt: skip
-    )
-    launcher.launch(
-        configs.BACKWARD_DQ,
-        kernels.attention_backward_dq_kernel,
-        query_tiles,
-        lambda config: (
-            q,
-            k,
-            v,
-            d_out,
-            lse,
-            delta,
-            dq,
-            *scale,
-            *qk_scale_log2,
-            group,
-            config.block_m,
-            config.block_n,
-            head_tile,
-            causal,
-        ),  # fmt: skip
-    )
+
+    def writing(*gradients):
+        """Arguments of the dK/dV and dQ kernels, which differ only in the gradients they write."""
+        inputs = (q, k, v, d_out, lse, delta)
+        tail = (*scale, *qk_scale_log2, group)
+        return lambda config: (*inputs, *gradients, *tail, config.block_m, config.block_n, head_tile, causal)
+
+    key_tiles = _sequence_tile_grid(k, problem.seqlen_k, "block_n")
+    launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, writing(dk, dv))
+    launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, writing(dq))
     return grads
