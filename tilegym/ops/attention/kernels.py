@@ -71,6 +71,17 @@ def _log2e(dtype):
 
 
 @ct.function
+def _query_program(query_group_size, causal: ConstBool):
+    """(query tile, query head, batch, K/V head) of a program on a (query tiles, heads, batch) grid."""
+    q_tile = ct.bid(0)
+    if causal:
+        # Causal tiles near the end of the sequence do the most work: start them first.
+        q_tile = ct.num_blocks(0) - 1 - q_tile
+    q_head = ct.bid(1)
+    return q_tile, q_head, ct.bid(2), q_head // query_group_size
+
+
+@ct.function
 def _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m: ConstInt, block_n: ConstInt, causal: ConstBool):
     """Key tiles a query tile visits: [0, num_full) need no mask, [num_full, num_end) do.
 
@@ -158,13 +169,7 @@ def _forward_tile(
     causal: ConstBool,
     write_lse: ConstBool,
 ):
-    q_tile = ct.bid(0)
-    if causal:
-        # Causal tiles near the end of the sequence do the most work: start them first.
-        q_tile = ct.num_blocks(0) - 1 - q_tile
-    q_head = ct.bid(1)
-    b = ct.bid(2)
-    kv_head = q_head // query_group_size
+    q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
     seqlen_q = Q.shape[2]
     seqlen_k = K.shape[2]
     acc_dtype = _accumulator_dtype(Q.dtype)
@@ -423,12 +428,7 @@ def attention_backward_dq_kernel(
     causal: ConstBool,
 ):
     """dQ of one query tile, looping over the key tiles it sees."""
-    q_tile = ct.bid(0)
-    if causal:
-        q_tile = ct.num_blocks(0) - 1 - q_tile
-    q_head = ct.bid(1)
-    b = ct.bid(2)
-    kv_head = q_head // query_group_size
+    q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
     seqlen_q = Q.shape[2]
     seqlen_k = K.shape[2]
     acc_dtype = _accumulator_dtype(Q.dtype)
