@@ -40,8 +40,17 @@ def _array(dtype, ndim: int) -> ArrayConstraint:
     )
 
 
-def signature(kernel_name: str, dtype, head_dim: int, config: autotune.TileConfig, causal: bool) -> KernelSignature:
-    """The kernel's signature for one launch, built from its parameter names and annotations."""
+# The score modifiers' switches, all off: plain attention.
+PLAIN = {"windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0}
+
+
+def signature(
+    kernel_name: str, dtype, head_dim: int, config: autotune.TileConfig, causal: bool, switches=None
+) -> KernelSignature:
+    """The kernel's signature for one launch, built from its parameter names and annotations.
+
+    switches overrides entries of PLAIN (the score modifiers' compile-time switches).
+    """
     kernel = KERNELS[kernel_name]
     stat_dtype = ct.float64 if dtype == ct.float64 else ct.float32
     constants = {
@@ -49,6 +58,8 @@ def signature(kernel_name: str, dtype, head_dim: int, config: autotune.TileConfi
         "block_n": config.block_n,
         "block_d": configs.head_dim_tile(head_dim),
         "causal": causal,
+        **PLAIN,
+        **(switches or {}),
     }
     params = []
     for name, param in inspect.signature(kernel._pyfunc).parameters.items():
@@ -58,18 +69,22 @@ def signature(kernel_name: str, dtype, head_dim: int, config: autotune.TileConfi
             params.append(ScalarConstraint(ct.float32))
         elif param.annotation is int:
             params.append(ScalarConstraint(ct.int32))
-        elif name in _ROW_STATS:
-            params.append(_array(stat_dtype, 3))
+        elif name in _ROW_STATS or name == "DBias":
+            params.append(_array(stat_dtype, 3 if name in _ROW_STATS else 4))
+        elif name == "Slopes":
+            params.append(_array(ct.float32, 2))
         else:
             params.append(_array(dtype, 4))
     return KernelSignature(params, CallingConvention.cutile_python_v2()).with_mangled_symbol(kernel_name)
 
 
-def compile_cubin(kernel_name: str, dtype, head_dim: int, config, causal: bool, arch: str, path: Path) -> Path:
+def compile_cubin(
+    kernel_name: str, dtype, head_dim: int, config, causal: bool, arch: str, path: Path, switches=None
+) -> Path:
     kernel = autotune.with_hints(KERNELS[kernel_name], config)
     export_kernel(
         kernel,
-        [signature(kernel_name, dtype, head_dim, config, causal)],
+        [signature(kernel_name, dtype, head_dim, config, causal, switches)],
         str(path),
         gpu_code=arch,
         output_format="cubin",

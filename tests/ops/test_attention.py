@@ -94,7 +94,7 @@ def check_forward_and_backward(case: Case, dtype, causal, scaling=None, transfor
     q, k, v = make_inputs(case, dtype)
     if transform is not None:
         q, k, v = (transform(t) for t in (q, k, v))
-    problem = launch.check_inputs(q, k, v, scaling, causal)
+    problem, _ = launch.check_inputs(q, k, v, scaling, causal)
     scale = problem.softmax_scale
 
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]

@@ -10,7 +10,7 @@ CPU CI can catch.
 import cuda.tile as ct
 import pytest
 
-from tests.ops import aot
+from tests.ops import aot, plain_sass
 from tilegym.ops.attention import configs
 
 MATRIX_KERNELS = (configs.FORWARD, configs.FORWARD_LSE, configs.BACKWARD_DKDV, configs.BACKWARD_DQ)
@@ -42,6 +42,58 @@ def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tm
     cubin = aot.compile_cubin(kernel, dtype, head_dim, config, causal, arch, tmp_path / "kernel.cubin")
     assert cubin.stat().st_size > 0
     if arch != "sm_90" or kernel not in MATRIX_KERNELS or dtype not in (ct.float16, ct.bfloat16):
+        return
+    text = aot.sass(cubin)
+    assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
+    spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
+    assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
+
+
+@pytest.mark.parametrize("kernel, head_dim, causal", plain_sass.VARIANTS, ids=lambda v: str(v))
+def test_op_attention_plain_sass_unchanged_by_score_modifiers(kernel, head_dim, causal, tmp_path):
+    """With every modifier switched off, the kernels compile to the stored plain code."""
+    name = plain_sass.variant_name(kernel, head_dim, causal)
+    assert plain_sass.current_fingerprint(kernel, head_dim, causal, tmp_path) == plain_sass.stored()[name], (
+        f"{name}: the plain kernel's instructions changed"
+    )
+
+
+# One compile per switch (and a few combinations), in both orientations of the score tile.
+_SWITCHES = {
+    "bias-per-row": {"bias_mode": 2},
+    "bias-one-row": {"bias_mode": 1},
+    "window": {"windowed": True},
+    "softcap": {"capped": True},
+    "alibi": {"alibi": True},
+    "all": {"bias_mode": 2, "windowed": True, "capped": True, "alibi": True},
+}
+_BIAS_GRADS = {"dbias-per-row": {"bias_mode": 2, "bias_grad": 2}, "dbias-one-row": {"bias_mode": 1, "bias_grad": 1}}
+
+
+def _compile_variants():
+    for name, switches in {**_SWITCHES, **_BIAS_GRADS}.items():
+        for kernel in MATRIX_KERNELS:
+            if "bias_grad" in switches and kernel != configs.BACKWARD_DKDV:
+                continue
+            for head_dim in TUNED_HEAD_DIMS:
+                yield pytest.param(kernel, ct.bfloat16, head_dim, switches, id=f"{kernel}-d{head_dim}-{name}")
+        yield pytest.param(configs.BACKWARD_DKDV, ct.float64, 64, {**switches, "bias_grad": switches.get("bias_mode", 0)},
+                           id=f"{configs.BACKWARD_DKDV}-d64-fp64-{name}")  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel, dtype, head_dim, switches", list(_compile_variants()))
+def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches, tmp_path):
+    """Each modifier compiles for sm_90 with every candidate config, keeping the warpgroup MMA
+    and spilling nothing."""
+    size = 8 if dtype == ct.float64 else 2
+    for config in configs.candidates(kernel, "sm_90", head_dim, size, modified=True):
+        _check_modified_compile(kernel, dtype, head_dim, config, switches, tmp_path)
+
+
+def _check_modified_compile(kernel, dtype, head_dim, config, switches, tmp_path):
+    cubin = aot.compile_cubin(kernel, dtype, head_dim, config, False, "sm_90", tmp_path / "k.cubin", switches)
+    if dtype == ct.float64:
+        assert cubin.stat().st_size > 0
         return
     text = aot.sass(cubin)
     assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"

@@ -365,7 +365,7 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
     out, lse = launch.forward(q, k, v, problem, with_lse=True)
     inference_out, _ = launch.forward(q, k, v, problem, with_lse=False)
     d_out = torch.randn_like(q)
-    dq, dk, dv = launch.backward(d_out, q, k, v, out, lse, problem)
+    dq, dk, dv, _ = launch.backward(d_out, q, k, v, out, lse, problem)
 
     arrays = {"Q": q, "K": k, "V": v, "Out": out, "Lse": lse, "dOut": d_out, "dQ": dq, "dK": dk, "dV": dv}
     launched = [name for name, *_ in _RecordingLauncher.launches]

@@ -53,6 +53,9 @@ _SM90_DQ = {
     128: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
+# With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles:
+# 64x128 spills there, 32x128 and 64x64 do not.
+_SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}
 # The preprocess is a row reduction, memory bound: one config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
 
@@ -141,7 +144,16 @@ def arch_family(compute_capability: tuple[int, int]) -> str:
     return "sm_80"
 
 
-def candidates(kernel: str, arch: str, head_dim: int, element_size: int) -> list[TileConfig]:
-    """The configs to try for one kernel, first one the default."""
-    table = WIDE_TABLE if element_size > 2 else TABLES[arch]
-    return list(table[kernel][head_dim_tile(head_dim)])
+# Tables that replace TABLES[arch][kernel] when any score modifier is on.
+MODIFIED_TABLES = {("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED}
+
+
+def candidates(kernel: str, arch: str, head_dim: int, element_size: int, modified: bool = False) -> list[TileConfig]:
+    """The configs to try for one kernel, first one the default; modified: with score modifiers."""
+    if element_size > 2:
+        table = WIDE_TABLE[kernel]
+    elif modified and (arch, kernel) in MODIFIED_TABLES:
+        table = MODIFIED_TABLES[arch, kernel]
+    else:
+        table = TABLES[arch][kernel]
+    return list(table[head_dim_tile(head_dim)])

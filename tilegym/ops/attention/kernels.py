@@ -9,9 +9,14 @@ stores past the end of an array are dropped: nothing outside the tensors is touc
 
 Causal masking is bottom-right aligned: query i sees key j iff j <= i + (Sk - Sq).
 Scores are kept in base 2 (scaled by softmax_scale * log2(e)) so exp2 does the softmax.
+
+Score modifiers (bias, sliding window, softcap, ALiBi; see score_mods.py) are compile-time
+switches: with all of them off, each kernel compiles to the code it had without them.
 """
 
 import cuda.tile as ct
+
+from tilegym.ops.attention.score_mods import BIAS_NONE, BIAS_ONE_ROW, BIAS_PER_ROW
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -82,6 +87,90 @@ def _query_program(query_group_size, causal: ConstBool):
 
 
 @ct.function
+def _head_mods(
+    Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi: ConstBool
+):
+    """The score modifiers' runtime values for one (batch, query head), as one tuple.
+
+    A bias dimension of size 1 is shared by every batch or head: its index is clamped to 0.
+    """
+    bias_b = min(b, Bias.shape[0] - 1)
+    bias_h = min(q_head, Bias.shape[1] - 1)
+    slope_log2 = 0.0
+    if alibi:
+        slope = ct.load(Slopes, index=(min(b, Slopes.shape[0] - 1), q_head), shape=(1, 1))
+        slope_log2 = slope.astype(acc_dtype) * _log2e(acc_dtype)
+    return Bias, bias_b, bias_h, slope_log2, softcap_in, softcap_log2, window_left, window_right
+
+
+@ct.function
+def _bias_tile(mods, q_tile, kv_tile, block_m: ConstInt, block_n: ConstInt, bias_mode: ConstInt, transposed: ConstBool):
+    """The bias under a [block_m, block_n] score tile ([block_n, block_m] when transposed)."""
+    Bias, bias_b, bias_h, _, _, _, _, _ = mods
+    if bias_mode == BIAS_ONE_ROW:
+        tile = ct.load(Bias, index=(bias_b, bias_h, 0, kv_tile), shape=(1, 1, 1, block_n), padding_mode=ZERO_PAD)
+        tile = tile.reshape((1, block_n))
+    else:
+        shape = (1, 1, block_m, block_n)
+        tile = ct.load(Bias, index=(bias_b, bias_h, q_tile, kv_tile), shape=shape, padding_mode=ZERO_PAD)
+        tile = tile.reshape((block_m, block_n))
+    if transposed:
+        tile = ct.transpose(tile)
+    return tile
+
+
+@ct.function
+def _scores(
+    raw,
+    rows,
+    cols,
+    q_tile,
+    kv_tile,
+    qk_scale_log2,
+    seqlen_q,
+    seqlen_k,
+    input_dtype,
+    mods,
+    switches,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    transposed: ConstBool,
+):
+    """(base-2 scores, tanh of the softcap) of raw products q.k, with the switched-on modifiers.
+
+    In natural units: s = scale * q.k, then s = softcap * tanh(s / softcap), then
+    s += bias - slope * |i + Sk - Sq - j|. Plain attention is one multiply.
+    """
+    _, _, _, slope_log2, softcap_in, softcap_log2, _, _ = mods
+    _, capped, bias_mode, alibi = switches
+    if capped:
+        if input_dtype == ct.float16 or input_dtype == ct.bfloat16:
+            # The hardware tanh is good to 2^-11, below what 16-bit inputs carry.
+            capped_tanh = ct.tanh(raw * softcap_in, rounding_mode=ct.RoundingMode.APPROX)
+        else:
+            capped_tanh = ct.tanh(raw * softcap_in)
+        scores = capped_tanh * softcap_log2
+    else:
+        capped_tanh = raw
+        scores = raw * qk_scale_log2
+    if bias_mode != BIAS_NONE:
+        bias = _bias_tile(mods, q_tile, kv_tile, block_m, block_n, bias_mode, transposed)
+        scores = scores + bias.astype(raw.dtype) * _log2e(raw.dtype)
+    if alibi:
+        distance = ct.abs(rows + (seqlen_k - seqlen_q) - cols).astype(raw.dtype)
+        scores = scores - slope_log2 * distance
+    return scores, capped_tanh
+
+
+@ct.function
+def _pre_cap_gradient(d_scores, capped_tanh, capped: ConstBool):
+    """The gradient with respect to scale * q.k from the gradient with respect to the scores."""
+    if capped:
+        return d_scores * (1.0 - capped_tanh * capped_tanh)
+    return d_scores
+
+
+@ct.function
 def _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m: ConstInt, block_n: ConstInt, causal: ConstBool):
     """Key tiles a query tile visits: [0, num_full) need no mask, [num_full, num_end) do.
 
@@ -103,12 +192,68 @@ def _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m: ConstInt, block_n: Co
 
 
 @ct.function
-def _visible(rows, cols, seqlen_q, seqlen_k, causal: ConstBool):
+def _band_tiles(first_seen, last_seen, first_seen_by_all, last_seen_by_all, length, block: ConstInt):
+    """(start, full_start, full_end, end) of the tiles of a band of indices along one axis.
+
+    The band is [first_seen, last_seen] (inclusive, unclipped); [first_seen_by_all,
+    last_seen_by_all] is where every row (or column) of the other side sees it. Tiles in
+    [full_start, full_end) need no mask; [start, full_start) and [full_end, end) do; the
+    rest are outside the band and skipped.
+    """
+    start = min(max(first_seen, 0), length) // block
+    end = max(ct.cdiv(min(max(last_seen + 1, 0), length), block), start)
+    full_start = min(max(ct.cdiv(min(max(first_seen_by_all, 0), length), block), start), end)
+    full_end = max(min(min(max(last_seen_by_all + 1, 0), length) // block, end), full_start)
+    return start, full_start, full_end, end
+
+
+@ct.function
+def _window_key_tiles(q_tile, seqlen_q, seqlen_k, mods, block_m: ConstInt, block_n: ConstInt):
+    """Key tiles of a query tile under a sliding window: query i sees keys
+    [i + d - left, i + d + right] with d = Sk - Sq."""
+    _, _, _, _, _, _, window_left, window_right = mods
+    first_row = q_tile * block_m + (seqlen_k - seqlen_q)
+    last_row = first_row + block_m - 1
+    return _band_tiles(
+        first_row - window_left, last_row + window_right, last_row - window_left, first_row + window_right,
+        seqlen_k, block_n,
+    )  # fmt: skip
+
+
+@ct.function
+def _window_query_tiles(kv_tile, seqlen_q, seqlen_k, mods, block_m: ConstInt, block_n: ConstInt):
+    """Query tiles that see a key tile under a sliding window: key j is seen by queries
+    [j - d - right, j - d + left]."""
+    _, _, _, _, _, _, window_left, window_right = mods
+    first_col = kv_tile * block_n - (seqlen_k - seqlen_q)
+    last_col = first_col + block_n - 1
+    return _band_tiles(
+        first_col - window_right, last_col + window_left, last_col - window_right, first_col + window_left,
+        seqlen_q, block_m,
+    )  # fmt: skip
+
+
+@ct.function
+def _visible(rows, cols, seqlen_q, seqlen_k, causal: ConstBool, mods, switches):
     """Which (query, key) pairs a row attends to; rows and cols broadcast against each other."""
     inside = cols < seqlen_k
     if causal:
         inside = inside & (cols <= rows + (seqlen_k - seqlen_q))
+    windowed, _, _, _ = switches
+    if windowed:
+        _, _, _, _, _, _, window_left, window_right = mods
+        offset = cols - rows - (seqlen_k - seqlen_q)
+        inside = inside & (offset >= -window_left) & (offset <= window_right)
     return inside
+
+
+@ct.function
+def _key_columns(kv_tile, block_n: ConstInt, masked: ConstBool, switches):
+    """[1, block_n] key indices of a tile, when the mask or ALiBi needs them."""
+    _, _, _, alibi = switches
+    if masked or alibi:
+        return kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
+    return 0
 
 
 @ct.function
@@ -118,6 +263,7 @@ def _forward_step(
     V,
     b,
     kv_head,
+    q_tile,
     kv_tile,
     row_max,
     row_sum,
@@ -126,6 +272,8 @@ def _forward_step(
     qk_scale_log2,
     seqlen_q,
     seqlen_k,
+    mods,
+    switches,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
@@ -135,13 +283,19 @@ def _forward_step(
     """One online-softmax update of a query tile with one key/value tile."""
     acc_dtype = _accumulator_dtype(q.dtype)
     k = _load_rows(K, b, kv_head, kv_tile, block_n, block_d)
-    scores = ct.mma(q, ct.transpose(k), ct.zeros((block_m, block_n), acc_dtype)) * qk_scale_log2
+    raw = ct.mma(q, ct.transpose(k), ct.zeros((block_m, block_n), acc_dtype))
+    cols = _key_columns(kv_tile, block_n, masked, switches)
+    scores, _ = _scores(
+        raw, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, q.dtype, mods, switches,
+        block_m, block_n, False,
+    )  # fmt: skip
     if masked:
-        cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
-        scores = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal), scores, NEG_INF)
+        scores = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, mods, switches), scores, NEG_INF)
     new_max = ct.maximum(row_max, ct.max(scores, axis=1, keepdims=True))
-    if masked:
-        # A row that has seen no key yet keeps max -inf; subtract 0 instead to avoid inf - inf.
+    _, _, bias_mode, _ = switches
+    if masked or bias_mode != BIAS_NONE:
+        # A row that has seen no key yet (or only -inf biases) keeps max -inf; subtract 0
+        # instead to avoid inf - inf.
         new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
     else:
         new_max_safe = new_max
@@ -154,6 +308,32 @@ def _forward_step(
 
 
 @ct.function
+def _forward_loop(
+    first,
+    last,
+    state,
+    tile,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    block_d: ConstInt,
+    causal: ConstBool,
+    masked: ConstBool,
+):
+    """Online-softmax updates of a query tile with key tiles [first, last).
+
+    state is (row_max, row_sum, acc); tile holds what every step of the query tile shares.
+    """
+    row_max, row_sum, acc = state
+    q, K, V, b, kv_head, q_tile, rows, qk_scale_log2, seqlen_q, seqlen_k, mods, switches = tile
+    for kv_tile in range(first, last):
+        row_max, row_sum, acc = _forward_step(
+            q, K, V, b, kv_head, q_tile, kv_tile, row_max, row_sum, acc, rows, qk_scale_log2,
+            seqlen_q, seqlen_k, mods, switches, block_m, block_n, block_d, causal, masked,
+        )  # fmt: skip
+    return row_max, row_sum, acc
+
+
+@ct.function
 def _forward_tile(
     Q,
     K,
@@ -163,10 +343,19 @@ def _forward_tile(
     qk_scale_log2,
     qk_scale_log2_lo,
     query_group_size,
+    Bias,
+    Slopes,
+    softcap_in,
+    softcap_in_lo,
+    softcap,
+    softcap_lo,
+    window_left,
+    window_right,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
     causal: ConstBool,
+    switches,
     write_lse: ConstBool,
 ):
     q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
@@ -174,6 +363,11 @@ def _forward_tile(
     seqlen_k = K.shape[2]
     acc_dtype = _accumulator_dtype(Q.dtype)
     qk_scale_log2 = _scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
+    windowed, capped, bias_mode, alibi = switches
+    mods = _head_mods(
+        Bias, Slopes, b, q_head, _scale(softcap_in, softcap_in_lo, acc_dtype),
+        _scale(softcap, softcap_lo, acc_dtype) * _log2e(acc_dtype), window_left, window_right, acc_dtype, alibi,
+    )  # fmt: skip
 
     q = _load_rows(Q, b, q_head, q_tile, block_m, block_d)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
@@ -181,17 +375,18 @@ def _forward_tile(
     row_sum = ct.zeros((block_m, 1), acc_dtype)
     acc = ct.zeros((block_m, block_d), acc_dtype)
 
-    num_full, num_end = _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m, block_n, causal)
-    for kv_tile in range(num_full):
-        row_max, row_sum, acc = _forward_step(
-            q, K, V, b, kv_head, kv_tile, row_max, row_sum, acc, rows, qk_scale_log2,
-            seqlen_q, seqlen_k, block_m, block_n, block_d, causal, False,
-        )  # fmt: skip
-    for kv_tile in range(num_full, num_end):
-        row_max, row_sum, acc = _forward_step(
-            q, K, V, b, kv_head, kv_tile, row_max, row_sum, acc, rows, qk_scale_log2,
-            seqlen_q, seqlen_k, block_m, block_n, block_d, causal, True,
-        )  # fmt: skip
+    state = (row_max, row_sum, acc)
+    tile = (q, K, V, b, kv_head, q_tile, rows, qk_scale_log2, seqlen_q, seqlen_k, mods, switches)
+    if windowed:
+        start, full_start, full_end, end = _window_key_tiles(q_tile, seqlen_q, seqlen_k, mods, block_m, block_n)
+        state = _forward_loop(start, full_start, state, tile, block_m, block_n, block_d, causal, True)
+        state = _forward_loop(full_start, full_end, state, tile, block_m, block_n, block_d, causal, False)
+        state = _forward_loop(full_end, end, state, tile, block_m, block_n, block_d, causal, True)
+    else:
+        num_full, num_end = _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m, block_n, causal)
+        state = _forward_loop(0, num_full, state, tile, block_m, block_n, block_d, causal, False)
+        state = _forward_loop(num_full, num_end, state, tile, block_m, block_n, block_d, causal, True)
+    row_max, row_sum, acc = state
 
     # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
     out = acc / ct.where(row_sum == 0.0, 1.0, row_sum)
@@ -210,15 +405,29 @@ def attention_forward_kernel(
     qk_scale_log2: float,
     qk_scale_log2_lo: float,
     query_group_size: int,
+    Bias,
+    Slopes,
+    softcap_in: float,
+    softcap_in_lo: float,
+    softcap: float,
+    softcap_lo: float,
+    window_left: int,
+    window_right: int,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
     causal: ConstBool,
+    windowed: ConstBool,
+    capped: ConstBool,
+    bias_mode: ConstInt,
+    alibi: ConstBool,
 ):
     """Inference forward: out = softmax(q k^T * scale) v, no LSE written."""
     _forward_tile(
-        Q, K, V, Out, Out, qk_scale_log2, qk_scale_log2_lo, query_group_size, block_m, block_n, block_d, causal, False
-    )
+        Q, K, V, Out, Out, qk_scale_log2, qk_scale_log2_lo, query_group_size,
+        Bias, Slopes, softcap_in, softcap_in_lo, softcap, softcap_lo, window_left, window_right,
+        block_m, block_n, block_d, causal, (windowed, capped, bias_mode, alibi), False,
+    )  # fmt: skip
 
 
 @ct.kernel
@@ -231,15 +440,29 @@ def attention_forward_lse_kernel(
     qk_scale_log2: float,
     qk_scale_log2_lo: float,
     query_group_size: int,
+    Bias,
+    Slopes,
+    softcap_in: float,
+    softcap_in_lo: float,
+    softcap: float,
+    softcap_lo: float,
+    window_left: int,
+    window_right: int,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
     causal: ConstBool,
+    windowed: ConstBool,
+    capped: ConstBool,
+    bias_mode: ConstInt,
+    alibi: ConstBool,
 ):
     """Training forward: also writes lse = log(sum_j exp(score_ij)), the backward's statistic."""
     _forward_tile(
-        Q, K, V, Out, Lse, qk_scale_log2, qk_scale_log2_lo, query_group_size, block_m, block_n, block_d, causal, True
-    )
+        Q, K, V, Out, Lse, qk_scale_log2, qk_scale_log2_lo, query_group_size,
+        Bias, Slopes, softcap_in, softcap_in_lo, softcap, softcap_lo, window_left, window_right,
+        block_m, block_n, block_d, causal, (windowed, capped, bias_mode, alibi), True,
+    )  # fmt: skip
 
 
 @ct.kernel
@@ -270,38 +493,101 @@ def _dkdv_step(
     dOut,
     Lse,
     Delta,
+    DBias,
     b,
     q_head,
     q_tile,
+    kv_tile,
     d_key,
     d_value,
+    d_bias_row,
     cols,
     qk_scale_log2,
     seqlen_q,
     seqlen_k,
+    mods,
+    switches,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
     causal: ConstBool,
     masked: ConstBool,
+    bias_grad: ConstInt,
 ):
-    """Adds one query tile's contribution to a key tile's dK and dV (in key-major form)."""
+    """Adds one query tile's contribution to a key tile's dK and dV (in key-major form).
+
+    With bias_grad, also writes the tile's dBias (BIAS_PER_ROW) or adds its column sums to
+    d_bias_row (BIAS_ONE_ROW).
+    """
     acc_dtype = _accumulator_dtype(k.dtype)
     q = _load_rows(Q, b, q_head, q_tile, block_m, block_d)
     d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d)
     lse = _base2_lse(Lse, b, q_head, q_tile, block_m)[None, :]
     delta = _load_row_stat(Delta, b, q_head, q_tile, block_m)[None, :]
 
-    scores_t = ct.mma(k, ct.transpose(q), ct.zeros((block_n, block_m), acc_dtype)) * qk_scale_log2
+    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]
+    raw_t = ct.mma(k, ct.transpose(q), ct.zeros((block_n, block_m), acc_dtype))
+    scores_t, capped_tanh_t = _scores(
+        raw_t, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, k.dtype, mods, switches,
+        block_m, block_n, True,
+    )  # fmt: skip
     probs_t = ct.exp2(scores_t - lse)
     if masked:
-        rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]
-        probs_t = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal), probs_t, 0.0)
+        probs_t = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, mods, switches), probs_t, 0.0)
     d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
     d_probs_t = ct.mma(v, ct.transpose(d_out), ct.zeros((block_n, block_m), acc_dtype))
     d_scores_t = probs_t * (d_probs_t - delta)
+    if bias_grad == BIAS_PER_ROW:
+        d_bias = ct.transpose(d_scores_t).reshape((1, 1, block_m, block_n)).astype(DBias.dtype)
+        ct.store(DBias, index=(b, q_head, q_tile, kv_tile), tile=d_bias)
+    elif bias_grad == BIAS_ONE_ROW:
+        d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)
+    _, capped, _, _ = switches
+    d_scores_t = _pre_cap_gradient(d_scores_t, capped_tanh_t, capped)
     d_key = ct.mma(d_scores_t.astype(q.dtype), q, d_key)
-    return d_key, d_value
+    return d_key, d_value, d_bias_row
+
+
+@ct.function
+def _dkdv_loop(
+    first,
+    last,
+    state,
+    tile,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    block_d: ConstInt,
+    causal: ConstBool,
+    masked: ConstBool,
+    bias_grad: ConstInt,
+):
+    """state (d_key, d_value, d_bias_row) plus the contributions of query tiles [first, last)."""
+    d_key, d_value, d_bias_row = state
+    k, v, Q, dOut, Lse, Delta, DBias, b, q_head, kv_tile, cols, qk_scale_log2, seqlen_q, seqlen_k, mods, switches = tile
+    for q_tile in range(first, last):
+        d_key, d_value, d_bias_row = _dkdv_step(
+            k, v, Q, dOut, Lse, Delta, DBias, b, q_head, q_tile, kv_tile, d_key, d_value, d_bias_row, cols,
+            qk_scale_log2, seqlen_q, seqlen_k, mods, switches, block_m, block_n, block_d, causal, masked, bias_grad,
+        )  # fmt: skip
+    return d_key, d_value, d_bias_row
+
+
+@ct.function
+def _causal_query_tiles(kv_tile, seqlen_q, seqlen_k, block_m: ConstInt, block_n: ConstInt, causal: ConstBool):
+    """Query tiles that see a key tile: [masked_start, full_start) need a mask, [full_start,
+    num_q_tiles) do not; tiles before masked_start see none of its keys and are skipped."""
+    num_q_tiles = ct.cdiv(seqlen_q, block_m)
+    if causal:
+        diagonal = seqlen_k - seqlen_q
+        # First query row that sees the tile's first key, and first row that sees all its keys.
+        first_seeing = max(kv_tile * block_n - diagonal, 0)
+        first_seeing_all = max(kv_tile * block_n + block_n - 1 - diagonal, 0)
+        masked_start = min(first_seeing // block_m, num_q_tiles)
+        full_start = min(ct.cdiv(first_seeing_all, block_m), num_q_tiles)
+    else:
+        masked_start = 0
+        full_start = 0
+    return masked_start, full_start, num_q_tiles
 
 
 @ct.kernel
@@ -319,15 +605,30 @@ def attention_backward_dkdv_kernel(
     qk_scale_log2: float,
     qk_scale_log2_lo: float,
     query_group_size: int,
+    Bias,
+    Slopes,
+    DBias,
+    softcap_in: float,
+    softcap_in_lo: float,
+    softcap: float,
+    softcap_lo: float,
+    window_left: int,
+    window_right: int,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
     causal: ConstBool,
+    windowed: ConstBool,
+    capped: ConstBool,
+    bias_mode: ConstInt,
+    alibi: ConstBool,
+    bias_grad: ConstInt,
 ):
-    """dK and dV of one key tile of one KV head.
+    """dK and dV (and dBias, with bias_grad) of one key tile of one KV head.
 
     Loops over every query head of the GQA group and every query tile that sees the key
     tile, so the group's sum happens in registers: no atomics, deterministic.
+    dBias goes to a [B, Hq, 1 or Sq, Sk] buffer that the host sums over broadcast dims.
     """
     kv_tile = ct.bid(0)
     kv_head = ct.bid(1)
@@ -337,6 +638,9 @@ def attention_backward_dkdv_kernel(
     acc_dtype = _accumulator_dtype(K.dtype)
     qk_scale_log2 = _scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     softmax_scale = _scale(softmax_scale, softmax_scale_lo, acc_dtype)
+    softcap_in = _scale(softcap_in, softcap_in_lo, acc_dtype)
+    softcap_log2 = _scale(softcap, softcap_lo, acc_dtype) * _log2e(acc_dtype)
+    switches = (windowed, capped, bias_mode, alibi)
 
     k = _load_rows(K, b, kv_head, kv_tile, block_n, block_d)
     v = _load_rows(V, b, kv_head, kv_tile, block_n, block_d)
@@ -344,30 +648,49 @@ def attention_backward_dkdv_kernel(
     d_key = ct.zeros((block_n, block_d), acc_dtype)
     d_value = ct.zeros((block_n, block_d), acc_dtype)
 
-    num_q_tiles = ct.cdiv(seqlen_q, block_m)
-    if causal:
-        diagonal = seqlen_k - seqlen_q
-        # First query row that sees the tile's first key, and first row that sees all its keys.
-        first_seeing = max(kv_tile * block_n - diagonal, 0)
-        first_seeing_all = max(kv_tile * block_n + block_n - 1 - diagonal, 0)
-        masked_start = min(first_seeing // block_m, num_q_tiles)
-        full_start = min(ct.cdiv(first_seeing_all, block_m), num_q_tiles)
-    else:
-        masked_start = 0
-        full_start = 0
-
     for group_member in range(query_group_size):
         q_head = kv_head * query_group_size + group_member
-        for q_tile in range(masked_start, full_start):
-            d_key, d_value = _dkdv_step(
-                k, v, Q, dOut, Lse, Delta, b, q_head, q_tile, d_key, d_value, cols, qk_scale_log2,
-                seqlen_q, seqlen_k, block_m, block_n, block_d, causal, True,
-            )  # fmt: skip
-        for q_tile in range(full_start, num_q_tiles):
-            d_key, d_value = _dkdv_step(
-                k, v, Q, dOut, Lse, Delta, b, q_head, q_tile, d_key, d_value, cols, qk_scale_log2,
-                seqlen_q, seqlen_k, block_m, block_n, block_d, causal, False,
-            )  # fmt: skip
+        mods = _head_mods(
+            Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi
+        )
+        state = (d_key, d_value, ct.zeros((block_n, 1), acc_dtype))
+        tile = (
+            k,
+            v,
+            Q,
+            dOut,
+            Lse,
+            Delta,
+            DBias,
+            b,
+            q_head,
+            kv_tile,
+            cols,
+            qk_scale_log2,
+            seqlen_q,
+            seqlen_k,
+            mods,
+            switches,
+        )
+        if windowed:
+            start, full_start, full_end, end = _window_query_tiles(kv_tile, seqlen_q, seqlen_k, mods, block_m, block_n)
+            state = _dkdv_loop(start, full_start, state, tile, block_m, block_n, block_d, causal, True, bias_grad)
+            state = _dkdv_loop(full_start, full_end, state, tile, block_m, block_n, block_d, causal, False, bias_grad)
+            state = _dkdv_loop(full_end, end, state, tile, block_m, block_n, block_d, causal, True, bias_grad)
+        else:
+            masked_start, full_start, num_q_tiles = _causal_query_tiles(
+                kv_tile, seqlen_q, seqlen_k, block_m, block_n, causal
+            )
+            state = _dkdv_loop(
+                masked_start, full_start, state, tile, block_m, block_n, block_d, causal, True, bias_grad
+            )
+            state = _dkdv_loop(
+                full_start, num_q_tiles, state, tile, block_m, block_n, block_d, causal, False, bias_grad
+            )
+        d_key, d_value, d_bias_row = state
+        if bias_grad == BIAS_ONE_ROW:
+            d_bias = d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)
+            ct.store(DBias, index=(b, q_head, 0, kv_tile), tile=d_bias)
 
     _store_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
     _store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
@@ -383,12 +706,15 @@ def _dq_step(
     V,
     b,
     kv_head,
+    q_tile,
     kv_tile,
     d_query,
     rows,
     qk_scale_log2,
     seqlen_q,
     seqlen_k,
+    mods,
+    switches,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
@@ -398,14 +724,41 @@ def _dq_step(
     acc_dtype = _accumulator_dtype(q.dtype)
     k = _load_rows(K, b, kv_head, kv_tile, block_n, block_d)
     v = _load_rows(V, b, kv_head, kv_tile, block_n, block_d)
-    scores = ct.mma(q, ct.transpose(k), ct.zeros((block_m, block_n), acc_dtype)) * qk_scale_log2
+    raw = ct.mma(q, ct.transpose(k), ct.zeros((block_m, block_n), acc_dtype))
+    cols = _key_columns(kv_tile, block_n, masked, switches)
+    scores, capped_tanh = _scores(
+        raw, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, q.dtype, mods, switches,
+        block_m, block_n, False,
+    )  # fmt: skip
     probs = ct.exp2(scores - lse)
     if masked:
-        cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
-        probs = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal), probs, 0.0)
+        probs = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, mods, switches), probs, 0.0)
     d_probs = ct.mma(d_out, ct.transpose(v), ct.zeros((block_m, block_n), acc_dtype))
-    d_scores = probs * (d_probs - delta)
+    _, capped, _, _ = switches
+    d_scores = _pre_cap_gradient(probs * (d_probs - delta), capped_tanh, capped)
     return ct.mma(d_scores.astype(k.dtype), k, d_query)
+
+
+@ct.function
+def _dq_loop(
+    first,
+    last,
+    d_query,
+    tile,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    block_d: ConstInt,
+    causal: ConstBool,
+    masked: ConstBool,
+):
+    """d_query plus the contributions of key tiles [first, last); tile holds what they share."""
+    q, d_out, lse, delta, K, V, b, kv_head, q_tile, rows, qk_scale_log2, seqlen_q, seqlen_k, mods, switches = tile
+    for kv_tile in range(first, last):
+        d_query = _dq_step(
+            q, d_out, lse, delta, K, V, b, kv_head, q_tile, kv_tile, d_query, rows, qk_scale_log2,
+            seqlen_q, seqlen_k, mods, switches, block_m, block_n, block_d, causal, masked,
+        )  # fmt: skip
+    return d_query
 
 
 @ct.kernel
@@ -422,10 +775,22 @@ def attention_backward_dq_kernel(
     qk_scale_log2: float,
     qk_scale_log2_lo: float,
     query_group_size: int,
+    Bias,
+    Slopes,
+    softcap_in: float,
+    softcap_in_lo: float,
+    softcap: float,
+    softcap_lo: float,
+    window_left: int,
+    window_right: int,
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
     causal: ConstBool,
+    windowed: ConstBool,
+    capped: ConstBool,
+    bias_mode: ConstInt,
+    alibi: ConstBool,
 ):
     """dQ of one query tile, looping over the key tiles it sees."""
     q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
@@ -434,6 +799,11 @@ def attention_backward_dq_kernel(
     acc_dtype = _accumulator_dtype(Q.dtype)
     qk_scale_log2 = _scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     softmax_scale = _scale(softmax_scale, softmax_scale_lo, acc_dtype)
+    switches = (windowed, capped, bias_mode, alibi)
+    mods = _head_mods(
+        Bias, Slopes, b, q_head, _scale(softcap_in, softcap_in_lo, acc_dtype),
+        _scale(softcap, softcap_lo, acc_dtype) * _log2e(acc_dtype), window_left, window_right, acc_dtype, alibi,
+    )  # fmt: skip
 
     q = _load_rows(Q, b, q_head, q_tile, block_m, block_d)
     d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d)
@@ -442,16 +812,15 @@ def attention_backward_dq_kernel(
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     d_query = ct.zeros((block_m, block_d), acc_dtype)
 
-    num_full, num_end = _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m, block_n, causal)
-    for kv_tile in range(num_full):
-        d_query = _dq_step(
-            q, d_out, lse, delta, K, V, b, kv_head, kv_tile, d_query, rows, qk_scale_log2,
-            seqlen_q, seqlen_k, block_m, block_n, block_d, causal, False,
-        )  # fmt: skip
-    for kv_tile in range(num_full, num_end):
-        d_query = _dq_step(
-            q, d_out, lse, delta, K, V, b, kv_head, kv_tile, d_query, rows, qk_scale_log2,
-            seqlen_q, seqlen_k, block_m, block_n, block_d, causal, True,
-        )  # fmt: skip
+    tile = (q, d_out, lse, delta, K, V, b, kv_head, q_tile, rows, qk_scale_log2, seqlen_q, seqlen_k, mods, switches)
+    if windowed:
+        start, full_start, full_end, end = _window_key_tiles(q_tile, seqlen_q, seqlen_k, mods, block_m, block_n)
+        d_query = _dq_loop(start, full_start, d_query, tile, block_m, block_n, block_d, causal, True)
+        d_query = _dq_loop(full_start, full_end, d_query, tile, block_m, block_n, block_d, causal, False)
+        d_query = _dq_loop(full_end, end, d_query, tile, block_m, block_n, block_d, causal, True)
+    else:
+        num_full, num_end = _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m, block_n, causal)
+        d_query = _dq_loop(0, num_full, d_query, tile, block_m, block_n, block_d, causal, False)
+        d_query = _dq_loop(num_full, num_end, d_query, tile, block_m, block_n, block_d, causal, True)
 
     _store_rows(dQ, b, q_head, q_tile, d_query * softmax_scale, block_m, block_d)

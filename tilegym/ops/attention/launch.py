@@ -8,7 +8,8 @@ from functools import cache
 import torch
 
 from tilegym import autotune
-from tilegym.ops.attention import configs
+from tilegym.ops.attention import configs, score_mods
+from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, PLAIN, ModTensors, ScoreMods
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_GRID_YZ = 65535
@@ -30,6 +31,7 @@ class AttentionProblem:
     dtype: torch.dtype
     softmax_scale: float
     causal: bool
+    mods: ScoreMods = PLAIN
 
     @property
     def query_group_size(self) -> int:
@@ -44,6 +46,7 @@ class AttentionProblem:
         return (
             f"{arch}|{str(self.dtype).removeprefix('torch.')}|d{self.head_dim}|g{self.query_group_size}"
             f"|{'causal' if self.causal else 'full'}|sq{_pow2_ceil(self.seqlen_q)}|sk{_pow2_ceil(self.seqlen_k)}"
+            f"{self.mods.key()}"
         )
 
 
@@ -73,7 +76,9 @@ def _check_tensor(name: str, t) -> None:
         raise ValueError(f"{name} has {t.numel()} elements; at most 2**31 - 1 are supported")
 
 
-def check_inputs(q, k, v, scaling, is_causal) -> AttentionProblem:
+def check_inputs(
+    q, k, v, scaling, is_causal, attn_bias=None, window_size=None, softcap=None, alibi_slopes=None
+) -> tuple[AttentionProblem, ModTensors]:
     """Validate everything before any launch; errors name the argument and what was expected."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -110,9 +115,20 @@ def check_inputs(q, k, v, scaling, is_causal) -> AttentionProblem:
             raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
-    return AttentionProblem(
-        batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, is_causal
+    window, causal = score_mods.check_window(window_size, is_causal)
+    bias_mode, bias = score_mods.check_bias(attn_bias, q, seqlen_k, q_heads)
+    slopes = score_mods.check_alibi(alibi_slopes, q, q_heads)
+    mods = ScoreMods(
+        bias_mode=bias_mode,
+        bias_shape=None if attn_bias is None else tuple(attn_bias.shape),
+        window=window,
+        softcap=score_mods.check_softcap(softcap, softmax_scale),
+        alibi=slopes is not None,
+    )
+    problem = AttentionProblem(
+        batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, causal, mods
     )  # fmt: skip
+    return problem, ModTensors(bias, slopes)
 
 
 def addressable(t: torch.Tensor) -> torch.Tensor:
@@ -125,17 +141,20 @@ def addressable(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def fold_batch_into_heads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def fold_batch_into_heads(*tensors: torch.Tensor, allowed: bool = True) -> tuple[torch.Tensor, ...]:
     """[B, H, ...] views as [1, B*H, ...] when every tensor allows it, else the tensors as they are.
 
     The kernels index (batch, head) from the grid, and query head h of batch b folds to
     b*Hq + h, whose K/V head (b*Hq + h) // group is b*Hkv + h // group: the same head.
     Folding keeps the batch size out of cuTile's specialization (a shape's divisibility
-    is compiled in), so a new batch size rarely means a new compile.
+    is compiled in), so a new batch size rarely means a new compile. Not allowed when a
+    bias or ALiBi slopes are indexed by (batch, head).
     """
     batch = tensors[0].shape[0]
-    foldable = batch > 1 and all(
-        t.stride(0) == t.shape[1] * t.stride(1) and t.shape[0] * t.shape[1] <= _MAX_GRID_YZ for t in tensors
+    foldable = (
+        allowed
+        and batch > 1
+        and all(t.stride(0) == t.shape[1] * t.stride(1) and t.shape[0] * t.shape[1] <= _MAX_GRID_YZ for t in tensors)
     )
     if not foldable:
         return tensors
@@ -166,7 +185,9 @@ class _Launcher:
         self.stream = torch.cuda.current_stream(device)
 
     def candidates(self, kernel_name: str):
-        return configs.candidates(kernel_name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)
+        problem = self.problem
+        modified = problem.mods != PLAIN
+        return configs.candidates(kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, modified)
 
     def launch(self, name: str, kernel, grid, args) -> None:
         launch = autotune.TunedKernel(name, kernel, grid, args)
@@ -178,7 +199,28 @@ def _sequence_tile_grid(rows: torch.Tensor, seqlen: int, block: str):
     return lambda config: (math.ceil(seqlen / getattr(config, block)), rows.shape[1], rows.shape[0])
 
 
-def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None):
+class _ModArgs:
+    """The score modifiers' kernel arguments: runtime values and compile-time switches."""
+
+    def __init__(self, problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor):
+        mods = problem.mods
+        self.bias = placeholder if tensors.bias is None else tensors.bias
+        self.slopes = _placeholder_slopes(placeholder.device) if tensors.slopes is None else tensors.slopes
+        cap = mods.softcap or 1.0
+        # Unbounded window sides become a reach past either end of the sequences.
+        reach = problem.seqlen_q + problem.seqlen_k
+        left, right = (reach if side < 0 else side for side in (mods.window or (-1, -1)))
+        self.values = (*split_float(problem.softmax_scale / cap), *split_float(cap), left, right)
+        self.switches = (mods.window is not None, bool(mods.softcap), mods.bias_mode, mods.alibi)
+        self.kernel_causal = problem.causal and mods.window is None
+
+
+@cache
+def _placeholder_slopes(device: torch.device) -> torch.Tensor:
+    return torch.zeros((1, 1), dtype=torch.float32, device=device)
+
+
+def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None, mod_tensors=NO_TENSORS):
     """out (and lse when with_lse) of validated inputs.
 
     out and lse may be given (contiguous, right shape and dtype) to be written in place.
@@ -209,38 +251,56 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
         name, kernel = configs.FORWARD, kernels.attention_forward_kernel
         outputs = (out,)
 
-    q, k, v, *outputs = fold_batch_into_heads(q, k, v, *outputs)
+    allowed = not problem.mods.indexes_batch_and_head
+    q, k, v, *outputs = fold_batch_into_heads(q, k, v, *outputs, allowed=allowed)
+    mods = _ModArgs(problem, mod_tensors, q)
 
     def args(config):
-        return (q, k, v, *outputs, *qk_scale_log2, group, config.block_m, config.block_n, head_tile, problem.causal)
+        return (
+            q, k, v, *outputs, *qk_scale_log2, group, mods.bias, mods.slopes, *mods.values,
+            config.block_m, config.block_n, head_tile, mods.kernel_causal, *mods.switches,
+        )  # fmt: skip
 
     launcher.launch(name, kernel, _sequence_tile_grid(q, problem.seqlen_q, "block_m"), args)
     return out, lse
 
 
-def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None):
-    """(dq, dk, dv) of validated inputs, given the forward's out and lse.
+def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mod_tensors=NO_TENSORS, bias_grad=False):
+    """(dq, dk, dv, d_bias) of validated inputs, given the forward's out and lse.
 
     grads, a (dq, dk, dv) of contiguous tensors, may be given to be written in place.
+    d_bias (with bias_grad) is the gradient of the caller's attn_bias, else None.
     """
     from tilegym.ops.attention import kernels
 
     if grads is None:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq, dk, dv = grads
+    mods = problem.mods
+    bias_grad = bias_grad and mods.bias_mode != BIAS_NONE
+    d_bias = None
+    if bias_grad:
+        # Zeros: the tiles a mask or window skips are never written.
+        stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        rows = 1 if mods.bias_mode == score_mods.BIAS_ONE_ROW else problem.seqlen_q
+        shape = (problem.batch, problem.q_heads, rows, problem.seqlen_k)
+        d_bias = torch.zeros(shape, dtype=stat_dtype, device=q.device)
     if problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)
 
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
     head_tile = configs.head_dim_tile(problem.head_dim)
     scale = split_float(problem.softmax_scale)
     qk_scale_log2 = split_float(problem.softmax_scale * LOG2E)
     group = problem.query_group_size
-    causal = problem.causal
     launcher = _Launcher(problem, q.device)
 
     delta = _row_stat(problem, q.device)
-    q, k, v, out, d_out, lse, delta, dq, dk, dv = fold_batch_into_heads(q, k, v, out, d_out, lse, delta, dq, dk, dv)
+    folded = fold_batch_into_heads(
+        q, k, v, out, d_out, lse, delta, dq, dk, dv, allowed=not mods.indexes_batch_and_head
+    )  # fmt: skip
+    q, k, v, out, d_out, lse, delta, dq_, dk_, dv_ = folded
     query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
     launcher.launch(
         configs.BACKWARD_PREPROCESS,
@@ -248,14 +308,24 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None):
         query_tiles,
         lambda config: (out, d_out, delta, config.block_m, head_tile),
     )
+    mod_args = _ModArgs(problem, mod_tensors, q)
+    bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
-    def writing(*gradients):
-        """Arguments of the dK/dV and dQ kernels, which differ only in the gradients they write."""
+    def writing(gradients, extra_arrays=(), extra_switches=()):
+        """Arguments of the dK/dV and dQ kernels, which differ in the gradients they write."""
         inputs = (q, k, v, d_out, lse, delta)
-        tail = (*scale, *qk_scale_log2, group)
-        return lambda config: (*inputs, *gradients, *tail, config.block_m, config.block_n, head_tile, causal)
+        middle = (*scale, *qk_scale_log2, group, mod_args.bias, mod_args.slopes, *extra_arrays, *mod_args.values)
+        switches = (mod_args.kernel_causal, *mod_args.switches, *extra_switches)
+        return lambda config: (*inputs, *gradients, *middle, config.block_m, config.block_n, head_tile, *switches)
 
     key_tiles = _sequence_tile_grid(k, problem.seqlen_k, "block_n")
-    launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, writing(dk, dv))
-    launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, writing(dq))
-    return grads
+    dkdv_args = writing((dk_, dv_), (q if d_bias is None else d_bias,), (bias_grad_mode,))
+    launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
+    launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, writing((dq_,)))
+    return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)
+
+
+def _caller_bias_grad(d_bias, mods: ScoreMods, mod_tensors: ModTensors):
+    if d_bias is None:
+        return None
+    return score_mods.reduce_bias_grad(d_bias, mods, mod_tensors.bias.dtype)

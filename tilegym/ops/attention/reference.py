@@ -2,8 +2,9 @@
 
 Computes in float64 by default (any dtype can be asked for), on whatever device the inputs
 are, with the same conventions as the kernels: GQA by repeating K/V heads, bottom-right
-causal masking, and rows that see no key giving output 0 and LSE -inf. Differentiable, and
-the gradients of rows that see no key are 0, never NaN.
+causal masking, the score modifiers of score_mods.py, and rows that see no key (or only -inf
+biases) giving output 0 and LSE -inf. Differentiable (attn_bias included), and the gradients
+of rows that see no key are 0, never NaN.
 """
 
 import math
@@ -18,7 +19,31 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
-def attention_reference(q, k, v, scaling=None, is_causal=True, compute_dtype=torch.float64):
+def window_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=None) -> torch.Tensor:
+    """[Sq, Sk] bool, True where i + d - left <= j <= i + d + right (d = Sk - Sq; -1 unbounded)."""
+    offset = torch.arange(seqlen_k, device=device)[None, :] - torch.arange(seqlen_q, device=device)[:, None]
+    offset = offset - (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    return visible
+
+
+def attention_reference(
+    q,
+    k,
+    v,
+    scaling=None,
+    is_causal=True,
+    compute_dtype=torch.float64,
+    *,
+    attn_bias=None,
+    window_size=None,
+    softcap=None,
+    alibi_slopes=None,
+):
     """(out, lse) with out in compute_dtype and lse [B, Hq, Sq] in compute_dtype."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scaling is None else scaling
@@ -28,11 +53,23 @@ def attention_reference(q, k, v, scaling=None, is_causal=True, compute_dtype=tor
     v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attn_bias is not None:
+        scores = scores + attn_bias.to(compute_dtype)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(compute_dtype).reshape(-1, q.shape[1], 1, 1)
+        distance = (torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+                    - torch.arange(seqlen_k, device=q.device)[None, :]).abs()  # fmt: skip
+        scores = scores - slopes * distance.to(compute_dtype)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
     if is_causal:
         visible = causal_mask(seqlen_q, seqlen_k, q.device)
-    else:
-        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    sees_any = visible.any(dim=-1)[:, None]  # [Sq, 1]
+    if window_size is not None:
+        visible = visible & window_mask(seqlen_q, seqlen_k, *window_size, device=q.device)
+    # A -inf bias hides a key like a mask does.
+    visible = visible & (scores != -torch.inf)
+    sees_any = visible.any(dim=-1, keepdim=True)  # [B, H, Sq, 1]
     # Fill masked scores with a finite value first so that no -inf - (-inf) reaches autograd.
     finite_scores = scores.masked_fill(~visible, 0.0)
     row_max = finite_scores.masked_fill(~visible, -torch.inf).amax(dim=-1, keepdim=True)

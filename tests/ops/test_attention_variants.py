@@ -1,0 +1,271 @@
+"""Score modifiers (attn_bias with dBias, window_size, softcap, alibi_slopes) on the GPU against
+the float64 reference; every test skips without CUDA.
+
+The error yardstick is the same reference run in the inputs' dtype (PyTorch SDPA has no
+softcap): ours must be within ERROR_RATIO (RMS) and MAX_ERROR_RATIO (max) of its error.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.ops.attention_cases import EPS, ERROR_RATIO, MAX_ERROR_RATIO, Case, make_inputs
+from tests.ops.conftest import requires_cuda
+from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym.ops.attention import launch
+from tilegym.ops.attention.reference import attention_reference
+
+pytestmark = requires_cuda
+
+ODD = Case("odd-lengths", 2, 3, 3, 77, 77, 64)
+GQA = Case("gqa-4to1", 1, 8, 2, 130, 257, 128)
+SQ_GT_SK = Case("sq-gt-sk", 2, 2, 2, 300, 100, 64)
+MQA = Case("mqa", 2, 6, 1, 97, 97, 128)
+
+
+def _bias(shape_name: str, case: Case, dtype, grad: bool, neg_inf: bool = False):
+    b, h, sq, sk = case.batch, case.q_heads, case.seqlen_q, case.seqlen_k
+    shapes = {
+        "full": (b, h, sq, sk),
+        "one-row": (1, h, 1, sk),
+        "2d": (sq, sk),
+        "batch-rows": (b, 1, 1, sk),
+        "key-broadcast": (b, 1, sq, 1),
+    }
+    if shape_name == "expanded":
+        bias = torch.randn((1, 1, sq, sk), dtype=dtype, device="cuda").expand(b, h, sq, sk)
+    else:
+        bias = torch.randn(shapes[shape_name], dtype=dtype, device="cuda")
+    if neg_inf:  # a padding-mask style bias: some keys hidden, and one row hidden entirely
+        bias = bias.masked_fill(torch.rand(bias.shape, device="cuda") < 0.3, -math.inf)
+        bias[..., 0, :] = -math.inf
+    return bias.requires_grad_(grad) if bias.is_leaf else bias.detach().requires_grad_(grad)
+
+
+def _alibi(case: Case, per_batch: bool):
+    shape = (case.batch, case.q_heads) if per_batch else (case.q_heads,)
+    return torch.rand(shape, device="cuda", dtype=torch.float32) * 0.2 + 0.01
+
+
+# name -> (case, causal, builder of the keyword arguments)
+VARIANTS = {
+    "bias-full": (ODD, False, lambda c, dt: {"attn_bias": _bias("full", c, dt, True)}),
+    "bias-full-causal": (SQ_GT_SK, True, lambda c, dt: {"attn_bias": _bias("full", c, dt, True)}),
+    "bias-one-row": (GQA, True, lambda c, dt: {"attn_bias": _bias("one-row", c, dt, True)}),
+    "bias-2d-gqa": (GQA, False, lambda c, dt: {"attn_bias": _bias("2d", c, dt, True)}),
+    "bias-batch-rows": (ODD, True, lambda c, dt: {"attn_bias": _bias("batch-rows", c, dt, True)}),
+    "bias-key-broadcast": (MQA, False, lambda c, dt: {"attn_bias": _bias("key-broadcast", c, dt, True)}),
+    "bias-expanded": (ODD, False, lambda c, dt: {"attn_bias": _bias("expanded", c, dt, True)}),
+    "bias-fp32": (MQA, True, lambda c, dt: {"attn_bias": _bias("full", c, torch.float32, True)}),
+    "bias-neg-inf": (ODD, False, lambda c, dt: {"attn_bias": _bias("full", c, dt, True, neg_inf=True)}),
+    "window": (ODD, False, lambda c, dt: {"window_size": (19, 7)}),
+    "window-left": (GQA, False, lambda c, dt: {"window_size": (40, -1)}),
+    "window-right": (SQ_GT_SK, False, lambda c, dt: {"window_size": (-1, 30)}),
+    "window-causal": (GQA, True, lambda c, dt: {"window_size": (64, 0)}),
+    "window-sq-gt-sk": (SQ_GT_SK, True, lambda c, dt: {"window_size": (5, -1)}),
+    "softcap": (ODD, False, lambda c, dt: {"softcap": 2.0}),
+    "softcap-causal": (GQA, True, lambda c, dt: {"softcap": 5.0}),
+    "alibi": (MQA, True, lambda c, dt: {"alibi_slopes": _alibi(c, False)}),
+    "alibi-per-batch": (SQ_GT_SK, False, lambda c, dt: {"alibi_slopes": _alibi(c, True)}),
+    "all": (
+        GQA,
+        True,
+        lambda c, dt: {
+            "attn_bias": _bias("one-row", c, dt, True),
+            "window_size": (50, 0),
+            "softcap": 3.0,
+            "alibi_slopes": _alibi(c, False),
+        },
+    ),  # fmt: skip
+    "all-full": (
+        SQ_GT_SK,
+        False,
+        lambda c, dt: {
+            "attn_bias": _bias("full", c, dt, True),
+            "window_size": (60, 20),
+            "softcap": 4.0,
+            "alibi_slopes": _alibi(c, True),
+        },
+    ),  # fmt: skip
+}
+
+
+def _error(actual, expected, rms: bool) -> float:
+    if actual.numel() == 0:
+        return 0.0
+    diff = (actual.double() - expected.double()).abs()
+    return diff.square().mean().sqrt().item() if rms else diff.max().item()
+
+
+def _assert_close(name, ours, baseline, reference, dtype):
+    assert not ours.isnan().any(), f"{name} has NaN"
+    for rms, ratio in ((True, ERROR_RATIO), (False, MAX_ERROR_RATIO)):
+        ours_err, base_err = _error(ours, reference, rms), _error(baseline, reference, rms)
+        bound = ratio * base_err + EPS[dtype]
+        stat = "RMS" if rms else "max"
+        assert ours_err <= bound, f"{name}: {stat} error {ours_err:.3e} > {ratio} x baseline's {base_err:.3e} + eps"
+
+
+def _reference_run(q, k, v, d_out, causal, kwargs, compute_dtype):
+    """(out, lse, grads of q, k, v and the bias) of the reference in compute_dtype."""
+    inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    ref_kwargs = dict(kwargs)
+    bias = kwargs.get("attn_bias")
+    if bias is not None:
+        ref_kwargs["attn_bias"] = bias.detach().to(compute_dtype).requires_grad_(bias.requires_grad)
+        if bias.requires_grad:
+            inputs.append(ref_kwargs["attn_bias"])
+    out, lse = attention_reference(*inputs[:3], is_causal=causal, compute_dtype=compute_dtype, **ref_kwargs)
+    grads = torch.autograd.grad(out, inputs, d_out.to(compute_dtype))
+    return out, lse, grads
+
+
+def check_variant(case: Case, dtype, causal: bool, kwargs: dict):
+    """Training forward (outputs poisoned with NaN first), LSE, dq, dk, dv and dBias."""
+    q, k, v = make_inputs(case, dtype)
+    d_out = torch.randn_like(q)
+    ref_out, ref_lse, ref_grads = _reference_run(q, k, v, d_out, causal, kwargs, torch.float64)
+    base_dtype = torch.float64 if dtype == torch.float64 else dtype
+    base_out, _, base_grads = _reference_run(q, k, v, d_out, causal, kwargs, base_dtype)
+
+    problem, mod_tensors = launch.check_inputs(q, k, v, None, causal, **kwargs)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(
+        q.shape[:3], math.nan, device=q.device, dtype=ref_lse.dtype if dtype == torch.float64 else torch.float32
+    )
+    launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse, mod_tensors=mod_tensors)
+    grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+    bias = kwargs.get("attn_bias")
+    bias_grad = bias is not None and bias.requires_grad
+    *_, d_bias = launch.backward(
+        d_out, q, k, v, out, lse, problem, grads=grads, mod_tensors=mod_tensors, bias_grad=bias_grad
+    )
+
+    _assert_close("out", out, base_out, ref_out, dtype)
+    sees_none = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), sees_none), "lse must be -inf exactly where a row sees no key"
+    lse_tolerance = 1e-5 if dtype != torch.float64 else 1e-12
+    scale = 1 + ref_lse[~sees_none].abs().max().item() if (~sees_none).any() else 1
+    assert _error(lse[~sees_none], ref_lse[~sees_none], rms=False) <= lse_tolerance * scale
+    names = ("dq", "dk", "dv", "dbias")
+    for name, ours, base, ref in zip(names, (*grads, d_bias), base_grads, ref_grads, strict=False):
+        if name == "dbias":
+            assert ours.shape == bias.shape and ours.dtype == bias.dtype, "dBias takes the bias's shape and dtype"
+        _assert_close(name, ours, base, ref, dtype)
+    assert (d_bias is None) == (not bias_grad)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_op_attention_variant(name):
+    case, causal, build = VARIANTS[name]
+    check_variant(case, torch.bfloat16, causal, build(case, torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["bias-full", "softcap-causal", "window", "alibi", "all"])
+def test_op_attention_variant_fp16(name):
+    case, causal, build = VARIANTS[name]
+    check_variant(case, torch.float16, causal, build(case, torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", ["all", "all-full"])
+def test_op_attention_variant_wide_dtypes(name, dtype):
+    case = Case("small", 1, 4, 2, 45, 37, 64)
+    _, causal, build = VARIANTS[name]
+    check_variant(case, dtype, causal, build(case, dtype))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+def test_op_attention_variant_head_dims(head_dim):
+    case = Case(f"d{head_dim}", 1, 4, 2, 150, 170, head_dim)
+    _, causal, build = VARIANTS["all"]
+    check_variant(case, torch.bfloat16, causal, build(case, torch.bfloat16))
+
+
+def test_op_attention_variant_public_api():
+    """Every public function takes the modifiers, and autograd hands dBias to the bias."""
+    case = Case("api", 2, 4, 2, 70, 90, 64)
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
+    bias = _bias("one-row", case, torch.bfloat16, True)
+    kwargs = {"attn_bias": bias, "window_size": (30, 10), "softcap": 6.0, "alibi_slopes": _alibi(case, False)}
+    ref_out, ref_lse = attention_reference(q, k, v, is_causal=False, **kwargs)
+    out_inference = tile_fmha(q, k, v, is_causal=False, **kwargs)
+    out_lse, lse = fmha_forward_with_lse(q, k, v, is_causal=False, **kwargs)
+    out_train = tile_fmha_with_backward(q, k, v, is_causal=False, **kwargs)
+    out_functional = tile_fmha_functional(q, k, v, is_causal=False, **kwargs)
+    for out in (out_inference, out_lse, out_train, out_functional):
+        assert _error(out, ref_out, rms=False) < 3e-2
+    assert _error(lse, ref_lse, rms=False) < 1e-4
+    assert out_functional.grad_fn is not None
+    out_train.backward(torch.ones_like(out_train))
+    assert bias.grad is not None and bias.grad.shape == bias.shape and torch.isfinite(bias.grad).all()
+    with torch.no_grad():
+        assert tile_fmha_functional(q, k, v, is_causal=False, **kwargs).grad_fn is None
+    only_bias_wants_grad = [t.detach() for t in (q, k, v)]
+    assert tile_fmha_functional(*only_bias_wants_grad, is_causal=False, **kwargs).grad_fn is not None
+
+
+def test_op_attention_variant_bias_grad_is_deterministic():
+    case, causal, build = VARIANTS["bias-2d-gqa"]
+    q, k, v = make_inputs(case, torch.bfloat16)
+    bias = _bias("2d", case, torch.bfloat16, True)
+    d_out = torch.randn_like(q)
+    first = torch.autograd.grad(tile_fmha_with_backward(q, k, v, is_causal=causal, attn_bias=bias), bias, d_out)
+    second = torch.autograd.grad(tile_fmha_with_backward(q, k, v, is_causal=causal, attn_bias=bias), bias, d_out)
+    assert torch.equal(first[0], second[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"attn_bias": "full"},
+        {"attn_bias": "one-row"},
+        {"softcap": 0.7},
+        {"window_size": (3, 2), "alibi_slopes": "alibi"},
+        {"attn_bias": "one-row", "softcap": 1.5, "window_size": (4, -1)},
+    ],
+    ids=["bias", "bias-one-row", "softcap", "window-alibi", "bias-softcap-window"],
+)
+def test_op_attention_variant_gradcheck_fp64(kwargs):
+    case = Case("gradcheck", 1, 4, 2, 7, 11, 32)
+    q, k, v = make_inputs(case, torch.float64, requires_grad=True)
+    built = dict(kwargs)
+    if isinstance(built.get("attn_bias"), str):
+        built["attn_bias"] = _bias(built["attn_bias"], case, torch.float64, True)
+    if built.get("alibi_slopes") == "alibi":
+        built["alibi_slopes"] = _alibi(case, True)
+    bias = built.pop("attn_bias", None)
+    inputs = (q, k, v) if bias is None else (q, k, v, bias)
+
+    def attention(*tensors):
+        extra = {} if bias is None else {"attn_bias": tensors[3]}
+        return tile_fmha_with_backward(*tensors[:3], is_causal=False, **built, **extra)
+
+    assert torch.autograd.gradcheck(attention, inputs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"window_size": (4, 2)}, ValueError, "window_size"),
+        ({"attn_bias": "wrong-shape"}, ValueError, "attn_bias of shape"),
+        ({"attn_bias": "cpu"}, ValueError, "attn_bias must be on"),
+        ({"alibi_slopes": "cpu"}, ValueError, "alibi_slopes must be on"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+    ],
+    ids=["causal-window-right", "bias-shape", "bias-device", "slopes-device", "negative-softcap"],
+)
+def test_op_attention_variant_rejects_bad_options(kwargs, error, message):
+    case = Case("bad", 1, 2, 2, 16, 16, 64)
+    q, k, v = make_inputs(case, torch.bfloat16)
+    built = dict(kwargs)
+    if built.get("attn_bias") == "wrong-shape":
+        built["attn_bias"] = torch.randn(1, 3, 16, 16, device="cuda", dtype=torch.bfloat16)
+    if built.get("attn_bias") == "cpu":
+        built["attn_bias"] = torch.randn(16, 16, dtype=torch.bfloat16)
+    if built.get("alibi_slopes") == "cpu":
+        built["alibi_slopes"] = torch.rand(2)
+    with pytest.raises(error, match=message):
+        tile_fmha_with_backward(q, k, v, is_causal=True, **built)
+    assert torch.isfinite(tile_fmha(q, k, v)).all(), "the GPU is still usable after a rejected call"

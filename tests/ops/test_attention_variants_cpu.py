@@ -1,0 +1,220 @@
+"""Score modifiers without a GPU: argument checks, dBias reduction, launch arguments, reference."""
+
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.test_attention_cpu import _RecordingLauncher
+from tilegym.ops.attention import configs, launch, score_mods
+from tilegym.ops.attention.reference import attention_reference, causal_mask, window_mask
+from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW, ScoreMods
+
+
+def _q(batch=2, heads=4, seqlen_q=10, head_dim=32):
+    return torch.randn(batch, heads, seqlen_q, head_dim)
+
+
+@pytest.mark.parametrize(
+    "window, causal, expected",
+    [
+        (None, False, (None, False)),
+        ((-1, -1), False, (None, False)),
+        ((-1, 0), False, (None, True)),
+        ((-1, -1), True, (None, True)),
+        ((8, -1), True, ((8, 0), False)),
+        ((8, 0), True, ((8, 0), False)),
+        ((3, 5), False, ((3, 5), False)),
+        ([0, 0], False, ((0, 0), False)),
+    ],
+)
+def test_op_window_merges_causal(window, causal, expected):
+    assert score_mods.check_window(window, causal) == expected
+
+
+@pytest.mark.parametrize(
+    "window, causal, error, message",
+    [
+        ((4, 2), True, ValueError, "right side must be 0 or -1"),
+        ((-2, 3), False, ValueError, "-1 for unbounded"),
+        ((1.5, 3), False, TypeError, "pair of ints"),
+        ((True, 3), False, TypeError, "pair of ints"),
+        ((1, 2, 3), False, TypeError, "pair of ints"),
+        (5, False, TypeError, "pair of ints"),
+    ],
+)
+def test_op_window_rejects(window, causal, error, message):
+    with pytest.raises(error, match=message):
+        score_mods.check_window(window, causal)
+
+
+@pytest.mark.parametrize(
+    "softcap, error, message",
+    [("2", TypeError, "softcap must be a float"), (True, TypeError, "softcap must be a float"),
+     (-1.0, ValueError, "softcap must be a finite"), (math.inf, ValueError, "softcap must be a finite"),
+     (1e-300, ValueError, "float32 range")],
+)  # fmt: skip
+def test_op_softcap_rejects(softcap, error, message):
+    with pytest.raises(error, match=message):
+        score_mods.check_softcap(softcap, 0.125)
+
+
+def test_op_softcap_off_values():
+    assert score_mods.check_softcap(None, 0.1) == 0.0 and score_mods.check_softcap(0, 0.1) == 0.0
+    assert score_mods.check_softcap(30, 0.1) == 30.0
+
+
+@pytest.mark.parametrize(
+    "shape, mode, kernel_shape",
+    [
+        ((2, 4, 10, 12), BIAS_PER_ROW, (2, 4, 10, 12)),
+        ((10, 12), BIAS_PER_ROW, (1, 1, 10, 12)),
+        ((4, 1, 12), BIAS_ONE_ROW, (1, 4, 1, 12)),
+        ((2, 1, 10, 1), BIAS_PER_ROW, (2, 1, 10, 12)),
+        ((12,), BIAS_ONE_ROW, (1, 1, 1, 12)),
+    ],
+)
+def test_op_bias_shapes(shape, mode, kernel_shape):
+    got_mode, bias = score_mods.check_bias(torch.randn(shape), _q(), seqlen_k=12, q_heads=4)
+    assert got_mode == mode and tuple(bias.shape) == kernel_shape and bias.stride(-1) == 1
+
+
+def test_op_bias_expanded_dims_read_once():
+    expanded = torch.randn(1, 1, 10, 12).expand(2, 4, 10, 12)
+    _, bias = score_mods.check_bias(expanded, _q(), seqlen_k=12, q_heads=4)
+    assert tuple(bias.shape) == (1, 1, 10, 12) and bias.data_ptr() == expanded.data_ptr()
+    rows = torch.randn(1, 1, 1, 12).expand(2, 4, 10, 12)
+    assert score_mods.check_bias(rows, _q(), 12, 4)[0] == BIAS_ONE_ROW, "no grad: the query dim shrinks too"
+    rows.requires_grad_()
+    assert score_mods.check_bias(rows, _q(), 12, 4)[0] == BIAS_PER_ROW, "dBias needs every row"
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: [1.0], TypeError, "attn_bias must be a torch.Tensor"),
+        (lambda: torch.randn(10, 12, dtype=torch.float16), TypeError, "attn_bias must have q's dtype"),
+        (lambda: torch.randn(3, 4, 10, 12), ValueError, "does not broadcast"),
+        (lambda: torch.randn(1, 2, 4, 10, 12), ValueError, "does not broadcast"),
+        (lambda: torch.randn(10, 11), ValueError, "does not broadcast"),
+    ],
+    ids=["not-tensor", "dtype", "batch", "rank", "keys"],
+)
+def test_op_bias_rejects(make, error, message):
+    with pytest.raises(error, match=message):
+        score_mods.check_bias(make(), _q(), seqlen_k=12, q_heads=4)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: torch.rand(4, dtype=torch.float64), TypeError, "alibi_slopes must be torch.float32"),
+        (lambda: torch.rand(3), ValueError, "alibi_slopes must have shape"),
+        (lambda: torch.rand(1, 4, 1), ValueError, "alibi_slopes must have shape"),
+        (lambda: 0.5, TypeError, "alibi_slopes must be a torch.Tensor"),
+    ],
+)
+def test_op_alibi_rejects(make, error, message):
+    with pytest.raises(error, match=message):
+        score_mods.check_alibi(make(), _q(), q_heads=4)
+
+
+def test_op_alibi_shapes():
+    assert tuple(score_mods.check_alibi(torch.rand(4), _q(), 4).shape) == (1, 4)
+    assert tuple(score_mods.check_alibi(torch.rand(2, 4), _q(), 4).shape) == (2, 4)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 10, 12), (10, 12), (4, 1, 12), (2, 1, 10, 1), (1, 4, 1, 1)])
+def test_op_bias_grad_reduced_to_bias_shape(shape):
+    """The kernels' [B, Hq, rows, Sk] buffer, summed over broadcast dims, is autograd's dBias."""
+    mode, _ = score_mods.check_bias(torch.randn(shape), _q(), 12, 4)
+    rows = 1 if mode == BIAS_ONE_ROW else 10
+    per_element = torch.randn(2, 4, 10, 12, dtype=torch.float64)
+    buffer = per_element.sum(2, keepdim=True) if rows == 1 else per_element
+    bias = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(bias.expand(2, 4, 10, 12), bias, per_element)[0]
+    mods = ScoreMods(bias_mode=mode, bias_shape=shape)
+    assert torch.allclose(score_mods.reduce_bias_grad(buffer, mods, torch.float64), expected)
+
+
+def test_op_shape_key_names_modifiers():
+    mods = ScoreMods(bias_mode=BIAS_ONE_ROW, bias_shape=(8,), window=(4, 0), softcap=2.0, alibi=True)
+    problem = launch.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, False, mods)
+    assert problem.shape_key("sm_90").endswith("|bias-row|window|softcap|alibi")
+
+
+def test_op_launch_arguments_with_modifiers(monkeypatch):
+    """With every modifier on, each launch passes one value per kernel parameter, the bias,
+    slopes and dBias buffer in their places, and the switches on; batch is not folded."""
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    _RecordingLauncher.launches = []
+    batch = 3
+    q = torch.randn(batch, 4, 40, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 2, 24, 64, dtype=torch.bfloat16) for _ in range(2))
+    bias = torch.randn(4, 1, 24, dtype=torch.bfloat16)
+    slopes = torch.rand(batch, 4)
+    mode, kernel_bias = score_mods.check_bias(bias, q, 24, 4)
+    mods = ScoreMods(bias_mode=mode, bias_shape=tuple(bias.shape), window=(5, 0), softcap=3.0, alibi=True)
+    problem = launch.AttentionProblem(batch, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, False, mods)
+    tensors = score_mods.ModTensors(kernel_bias, score_mods.check_alibi(slopes, q, 4))
+    out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=tensors)
+    *_, d_bias = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=True)
+    assert d_bias.shape == bias.shape and d_bias.dtype == bias.dtype
+
+    for name, kernel, grid, args, config in _RecordingLauncher.launches:
+        parameters = list(inspect.signature(kernel._pyfunc).parameters)
+        assert len(args) == len(parameters), name
+        values = dict(zip(parameters, args, strict=True))
+        if name == configs.BACKWARD_PREPROCESS:
+            continue
+        assert values["Bias"].data_ptr() == kernel_bias.data_ptr() and values["Slopes"].shape == (batch, 4)
+        assert (values["windowed"], values["capped"], values["bias_mode"], values["alibi"]) == (True, True, mode, True)
+        assert values["causal"] is False and (values["window_left"], values["window_right"]) == (5, 0)
+        assert math.isclose(values["softcap"] + values["softcap_lo"], 3.0)
+        assert math.isclose(values["softcap_in"] + values["softcap_in_lo"], 0.125 / 3.0, rel_tol=1e-12)
+        if name == configs.BACKWARD_DKDV:
+            assert values["bias_grad"] == mode and values["DBias"].shape == (batch, 4, 1, 24)
+        assert grid[2] == batch, f"{name}: batch must not be folded into heads with a bias or ALiBi"
+
+
+def _sdpa_fp64(q, k, v, mask, causal=False):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+
+
+def test_op_reference_bias_alibi_window_match_sdpa():
+    """The reference's bias, ALiBi and window agree with SDPA given the same float mask."""
+    q = torch.randn(2, 4, 9, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 13, 16, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(2, 1, 9, 13, dtype=torch.float64)
+    slopes = torch.rand(4, dtype=torch.float32)
+    rows, cols = torch.arange(9)[:, None], torch.arange(13)[None, :]
+    alibi = -slopes.double()[:, None, None] * (rows + 4 - cols).abs()
+    visible = window_mask(9, 13, 3, 2) & causal_mask(9, 13)
+    mask = (bias + alibi).masked_fill(~visible, -math.inf)
+    out, _ = attention_reference(q, k, v, is_causal=True, attn_bias=bias, alibi_slopes=slopes, window_size=(3, 2))
+    assert torch.allclose(out, _sdpa_fp64(q, k, v, mask), atol=1e-12)
+
+
+def test_op_reference_softcap():
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64) for _ in range(2))
+    scores = 2.0 * torch.tanh(q @ k.transpose(-1, -2) / math.sqrt(8) / 2.0)
+    expected = torch.softmax(scores, dim=-1) @ v
+    out, lse = attention_reference(q, k, v, is_causal=False, softcap=2.0)
+    assert torch.allclose(out, expected, atol=1e-12)
+    assert torch.allclose(lse, torch.logsumexp(scores, dim=-1), atol=1e-12)
+
+
+def test_op_reference_rows_hidden_by_bias():
+    q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    bias = torch.zeros(4, 4, dtype=torch.float64)
+    bias[1] = -math.inf
+    bias = bias.requires_grad_()
+    out, lse = attention_reference(q, k, v, is_causal=False, attn_bias=bias)
+    assert torch.equal(out[0, 0, 1], torch.zeros(8, dtype=torch.float64)) and lse[0, 0, 1] == -math.inf
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v, bias))

@@ -1,0 +1,173 @@
+"""Score modifiers: additive bias (with its gradient), sliding window, softcap and ALiBi.
+
+Validates the keyword arguments of the public functions and turns them into what the
+kernels take: compile-time switches, all off for plain attention (which then compiles to
+the same code as without modifiers), and runtime values.
+
+In natural units, for query i and key j with d = Sk - Sq (bottom-right alignment):
+    s = scale * q_i . k_j
+    s = softcap * tanh(s / softcap)                          softcap
+    s = s + bias[b, h, i, j] - slope[b, h] * |i + d - j|      attn_bias, alibi_slopes
+    query i sees key j iff i + d - left <= j <= i + d + right  window_size=(left, right)
+and causal attention is the window (-1, 0). A row that sees no key, or only -inf biases,
+outputs zeros and has LSE -inf.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# How the bias spans the query axis, a compile-time switch of the kernels.
+BIAS_NONE = 0
+BIAS_ONE_ROW = 1  # one row of key biases shared by every query: [.., 1, Sk]
+BIAS_PER_ROW = 2  # a row per query: [.., Sq, Sk]
+
+_UNBOUNDED = -1
+_FP32_MAX = 3.4028234663852886e38
+_MAX_INT32 = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ScoreMods:
+    """The modifiers of one call, without their tensors: hashable, part of the tuning key."""
+
+    bias_mode: int = BIAS_NONE
+    bias_shape: tuple[int, ...] | None = None  # the caller's shape, which dBias takes
+    window: tuple[int, int] | None = None  # (left, right), -1 unbounded; causal merged in
+    softcap: float = 0.0  # 0: off
+    alibi: bool = False
+
+    @property
+    def indexes_batch_and_head(self) -> bool:
+        """Bias and slopes are indexed by (batch, head), so batch cannot be folded into heads."""
+        return self.bias_mode != BIAS_NONE or self.alibi
+
+    def key(self) -> str:
+        """Suffix of the tuning key: empty for plain attention."""
+        parts = []
+        if self.bias_mode != BIAS_NONE:
+            parts.append("bias-row" if self.bias_mode == BIAS_ONE_ROW else "bias")
+        if self.window is not None:
+            parts.append("window")
+        if self.softcap:
+            parts.append("softcap")
+        if self.alibi:
+            parts.append("alibi")
+        return "".join(f"|{part}" for part in parts)
+
+
+PLAIN = ScoreMods()
+
+
+@dataclass(frozen=True)
+class ModTensors:
+    """The modifiers' tensors as the kernels take them (None when unused)."""
+
+    bias: torch.Tensor | None = None  # [1 or B, 1 or Hq, 1 or Sq, Sk], unit stride along keys
+    slopes: torch.Tensor | None = None  # float32 [1 or B, Hq], contiguous
+
+
+NO_TENSORS = ModTensors()
+
+
+def check_window(window_size, is_causal: bool) -> tuple[tuple[int, int] | None, bool]:
+    """(window, causal) with causal merged in: (-1, 0) is plain causal, (-1, -1) no window."""
+    if window_size is None:
+        return None, is_causal
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, int):
+            raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+        if side < _UNBOUNDED:
+            raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {window_size!r}")
+    left, right = window_size
+    if is_causal:
+        if right > 0:
+            raise ValueError(
+                f"window_size={tuple(window_size)} with is_causal=True: a causal query sees no key to its "
+                "right, so the right side must be 0 or -1"
+            )
+        right = 0
+    if (left, right) == (_UNBOUNDED, _UNBOUNDED):
+        return None, False
+    if (left, right) == (_UNBOUNDED, 0):
+        return None, True
+    return (left, right), False
+
+
+def check_softcap(softcap, softmax_scale: float) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number > 0 (or 0 / None for none), got {softcap}")
+    if softcap and not (abs(softmax_scale) / softcap <= _FP32_MAX and softcap <= _FP32_MAX):
+        raise ValueError(f"softcap {softcap} with scale {softmax_scale} leaves the float32 range")
+    return float(softcap)
+
+
+def check_bias(attn_bias, q: torch.Tensor, seqlen_k: int, q_heads: int) -> tuple[int, torch.Tensor | None]:
+    """(bias mode, the bias as the kernels take it) of attn_bias, broadcastable to [B, Hq, Sq, Sk]."""
+    if attn_bias is None:
+        return BIAS_NONE, None
+    if not isinstance(attn_bias, torch.Tensor):
+        raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
+    if attn_bias.dtype not in (q.dtype, torch.float32):
+        raise TypeError(f"attn_bias must have q's dtype ({q.dtype}) or torch.float32, got {attn_bias.dtype}")
+    if attn_bias.device != q.device:
+        raise ValueError(f"attn_bias must be on q's device ({q.device}), got {attn_bias.device}")
+    target = (q.shape[0], q_heads, q.shape[2], seqlen_k)
+    shape = tuple(attn_bias.shape)
+    padded = (1,) * (4 - len(shape)) + shape
+    if len(shape) > 4 or any(size not in (1, full) for size, full in zip(padded, target, strict=True)):
+        raise ValueError(
+            f"attn_bias of shape {shape} does not broadcast to [batch, q heads, Sq, Sk] = {list(target)}: "
+            "each dimension must be 1 or the full size"
+        )
+    if attn_bias.numel() > _MAX_INT32:
+        raise ValueError(f"attn_bias has {attn_bias.numel()} elements; at most 2**31 - 1 are supported")
+    bias = attn_bias.reshape(padded) if attn_bias.dim() < 4 else attn_bias
+    # An expanded (stride-0) batch or head dim is read once; dBias keeps those dims whole anyway.
+    # The query dim may only shrink when no gradient is asked for: dBias needs its rows.
+    for dim in (0, 1, 2):
+        if bias.shape[dim] > 1 and bias.stride(dim) == 0 and (dim < 2 or not attn_bias.requires_grad):
+            bias = bias.narrow(dim, 0, 1)
+    if bias.shape[3] != seqlen_k:
+        bias = bias.expand(*bias.shape[:3], seqlen_k)
+    if bias.stride(3) != 1 and seqlen_k > 1:
+        bias = bias.contiguous()
+    mode = BIAS_ONE_ROW if bias.shape[2] == 1 else BIAS_PER_ROW
+    return mode, bias.detach()
+
+
+def check_alibi(alibi_slopes, q: torch.Tensor, q_heads: int) -> torch.Tensor | None:
+    """alibi_slopes, float32 [Hq] or [B, Hq], as a contiguous [1 or B, Hq]."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be torch.float32, got {alibi_slopes.dtype}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {alibi_slopes.device}")
+    batch = q.shape[0]
+    if tuple(alibi_slopes.shape) not in ((q_heads,), (batch, q_heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape [q heads] = [{q_heads}] or [batch, q heads] = [{batch}, {q_heads}], "
+            f"got {list(alibi_slopes.shape)}"
+        )
+    return alibi_slopes.detach().reshape(-1, q_heads).contiguous()
+
+
+def reduce_bias_grad(d_bias: torch.Tensor, mods: ScoreMods, dtype: torch.dtype) -> torch.Tensor:
+    """dBias of the caller's bias from the kernels' [B, Hq, 1 or Sq, Sk] buffer: sums over the
+    dims the bias was broadcast along."""
+    shape = mods.bias_shape
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    summed = [dim for dim in range(4) if padded[dim] == 1 and d_bias.shape[dim] != 1]
+    if summed:
+        d_bias = d_bias.sum(dim=summed, keepdim=True)
+    return d_bias.reshape(shape).to(dtype)
