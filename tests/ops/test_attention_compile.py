@@ -77,8 +77,10 @@ def _compile_variants():
                 continue
             for head_dim in TUNED_HEAD_DIMS:
                 yield pytest.param(kernel, ct.bfloat16, head_dim, switches, id=f"{kernel}-d{head_dim}-{name}")
-        yield pytest.param(configs.BACKWARD_DKDV, ct.float64, 64, {**switches, "bias_grad": switches.get("bias_mode", 0)},
-                           id=f"{configs.BACKWARD_DKDV}-d64-fp64-{name}")  # fmt: skip
+        with_grad = {**switches, "bias_grad": switches.get("bias_mode", 0)}
+        yield pytest.param(
+            configs.BACKWARD_DKDV, ct.float64, 64, with_grad, id=f"{configs.BACKWARD_DKDV}-d64-fp64-{name}"
+        )
 
 
 @pytest.mark.parametrize("kernel, dtype, head_dim, switches", list(_compile_variants()))

@@ -163,7 +163,7 @@ def test_op_launch_arguments_with_modifiers(monkeypatch):
     *_, d_bias = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=True)
     assert d_bias.shape == bias.shape and d_bias.dtype == bias.dtype
 
-    for name, kernel, grid, args, config in _RecordingLauncher.launches:
+    for name, kernel, grid, args, _config in _RecordingLauncher.launches:
         parameters = list(inspect.signature(kernel._pyfunc).parameters)
         assert len(args) == len(parameters), name
         values = dict(zip(parameters, args, strict=True))
