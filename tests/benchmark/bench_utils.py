@@ -44,12 +44,14 @@ class Shape:
     head_dim: int
     causal: bool
     dtype: str  # "bfloat16" or "float16"
+    option: str = ""  # a score modifier of OPTIONS, "" for plain attention
 
     @property
     def series(self) -> str:
         """Name of the plotted series this shape belongs to (all but the sequence length)."""
         gqa = f"-gqa{self.q_heads // self.kv_heads}" if self.q_heads != self.kv_heads else ""
-        return f"d{self.head_dim}-{'causal' if self.causal else 'full'}-{self.dtype}{gqa}"
+        option = f"-{self.option}" if self.option else ""
+        return f"d{self.head_dim}-{'causal' if self.causal else 'full'}-{self.dtype}{gqa}{option}"
 
 
 def shapes(head_dims, causal_options, dtypes, seqlens=SEQLENS, gqa=False) -> list[Shape]:
@@ -69,21 +71,81 @@ def shapes(head_dims, causal_options, dtypes, seqlens=SEQLENS, gqa=False) -> lis
     return result
 
 
+# ---- score modifiers ------------------------------------------------------------------------------
+
+# Each option's keyword arguments, as a model would use them: a trainable full bias, a key
+# padding mask (one row per batch, no grad), a 1024-key sliding window, Gemma 2's softcap 30,
+# ALiBi with the usual geometric slopes, and all of them together.
+OPTIONS = ("bias", "bias-row", "window", "softcap", "alibi", "all")
+WINDOW = 1024
+
+
+def option_kwargs(shape: Shape) -> dict:
+    """The score modifiers of shape.option, on the GPU; {} for plain attention."""
+    import torch
+
+    def bias(rows: int, heads: int, grad: bool):
+        size = (shape.batch, heads, rows, shape.seqlen_k)
+        return (torch.randn(size, device="cuda", dtype=getattr(torch, shape.dtype)) * 0.5).requires_grad_(grad)
+
+    def slopes():
+        return torch.tensor([2.0 ** (-8 * (h + 1) / shape.q_heads) for h in range(shape.q_heads)], device="cuda")
+
+    window = (WINDOW, 0 if shape.causal else WINDOW)
+    return {
+        "": lambda: {},
+        "bias": lambda: {"attn_bias": bias(shape.seqlen_q, shape.q_heads, True)},
+        "bias-row": lambda: {"attn_bias": bias(1, 1, False)},
+        "window": lambda: {"window_size": window},
+        "softcap": lambda: {"softcap": 30.0},
+        "alibi": lambda: {"alibi_slopes": slopes()},
+        "all": lambda: {
+            "attn_bias": bias(1, 1, False),
+            "window_size": window,
+            "softcap": 30.0,
+            "alibi_slopes": slopes(),
+        },
+    }[shape.option]()
+
+
+def _sliced_kwargs(kwargs: dict, heads: int, rows: int) -> dict:
+    """kwargs for batch 0, the first `heads` query heads and the last `rows` query rows."""
+    sliced = dict(kwargs)
+    if "attn_bias" in kwargs:
+        bias = kwargs["attn_bias"].detach()[:1, :heads]
+        sliced["attn_bias"] = bias[:, :, -rows:] if bias.shape[2] > 1 else bias
+    if "alibi_slopes" in kwargs:
+        sliced["alibi_slopes"] = kwargs["alibi_slopes"][:heads]
+    return sliced
+
+
 # ---- FLOPs and bytes ----------------------------------------------------------------------------
 
 
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] | None = None) -> int:
     """Query-key pairs that are not masked. Causal masking is bottom-right aligned: query i sees
-    keys j <= i + (Sk - Sq), so the count is Sq * (Sq + 1) / 2 when Sq = Sk, not half of Sq * Sk."""
-    if not causal:
+    keys j <= i + (Sk - Sq), so the count is Sq * (Sq + 1) / 2 when Sq = Sk, not half of Sq * Sk.
+    A window (left, right) keeps keys i + Sk - Sq - left <= j <= i + Sk - Sq + right."""
+    if not causal and window is None:
         return seqlen_q * seqlen_k
     offset = seqlen_k - seqlen_q
-    return sum(min(max(i + offset + 1, 0), seqlen_k) for i in range(seqlen_q))
+    left, right = window or (-1, -1)
+    total = 0
+    for i in range(seqlen_q):
+        last = i + offset if causal else seqlen_k - 1
+        if right >= 0:
+            last = min(last, i + offset + right)
+        first = max(i + offset - left, 0) if left >= 0 else 0
+        total += max(min(last, seqlen_k - 1) - first + 1, 0)
+    return total
 
 
 def flops(mode: str, shape: Shape) -> float:
     """Matmul FLOPs: 4 * B * Hq * D per unmasked pair for the forward (QK^T and PV), scaled by mode."""
-    pairs = visible_pairs(shape.seqlen_q, shape.seqlen_k, shape.causal)
+    window = None
+    if shape.option in ("window", "all"):
+        window = (WINDOW, 0 if shape.causal else WINDOW)
+    pairs = visible_pairs(shape.seqlen_q, shape.seqlen_k, shape.causal, window)
     return 4.0 * shape.batch * shape.q_heads * shape.head_dim * pairs * MODE_FLOP_FACTOR[mode]
 
 
@@ -131,8 +193,8 @@ def make_inputs(shape: Shape, requires_grad: bool, seed: int = 0):
     )
 
 
-def attention_fn(provider: str, shape: Shape, training: bool):
-    """A function (q, k, v) -> out for the provider, or Unavailable."""
+def attention_fn(provider: str, shape: Shape, training: bool, kwargs=None):
+    """A function (q, k, v) -> out for the provider, or Unavailable; kwargs: score modifiers."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -140,7 +202,9 @@ def attention_fn(provider: str, shape: Shape, training: bool):
         from tilegym import tile_fmha, tile_fmha_with_backward
 
         ours = tile_fmha_with_backward if training else tile_fmha
-        return lambda q, k, v: ours(q, k, v, is_causal=shape.causal)
+        return lambda q, k, v: ours(q, k, v, is_causal=shape.causal, **(kwargs or {}))
+    if shape.option:
+        raise Unavailable(f"compared only with our plain attention ({shape.option})")
 
     backend = {
         "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -163,7 +227,7 @@ def attention_fn(provider: str, shape: Shape, training: bool):
     return sdpa
 
 
-def check_output(out, q, k, v, shape: Shape, rows: int = 256) -> float:
+def check_output(out, q, k, v, shape: Shape, rows: int = 256, kwargs=None) -> float:
     """Max error of the last `rows` query rows of batch 0 against the fp32 reference.
 
     With bottom-right causal masking, the last rows of a problem are the rows of the problem
@@ -179,7 +243,7 @@ def check_output(out, q, k, v, shape: Shape, rows: int = 256) -> float:
     kv_heads = heads // group
     expected, _ = attention_reference(
         q_slice, k.detach()[:1, :kv_heads], v.detach()[:1, :kv_heads], is_causal=shape.causal,
-        compute_dtype=torch.float32,
+        compute_dtype=torch.float32, **_sliced_kwargs(kwargs or {}, heads, q_slice.shape[2]),
     )  # fmt: skip
     return (out.detach()[:1, :heads, -rows:].float() - expected).abs().max().item()
 
@@ -256,12 +320,16 @@ def measure(mode: str, provider: str, shape: Shape, training_forward: bool = Tru
     result = Result(mode, provider, shape)
     training = training_forward or mode != "fwd"
     try:
-        fn = attention_fn(provider, shape, training)
         q, k, v = make_inputs(shape, requires_grad=training)
+        kwargs = option_kwargs(shape)
+        fn = attention_fn(provider, shape, training, kwargs)
         inputs, d_out = (q, k, v), torch.randn_like(q)
+        bias = kwargs.get("attn_bias")
+        if bias is not None and bias.requires_grad and training:
+            inputs = (q, k, v, bias)
         with torch.enable_grad() if training else torch.no_grad():
             out = fn(q, k, v)  # warm-up: compiles and tunes outside the timing
-            result.max_error = check_output(out, q, k, v, shape)
+            result.max_error = check_output(out, q, k, v, shape, kwargs=kwargs)
             result.wrong = not result.max_error <= WRONG_ABOVE[shape.dtype]
             if mode == "fwd":
                 result.ms = median_ms(lambda: fn(q, k, v))
@@ -359,6 +427,33 @@ def markdown_summary(results: list[Result], seqlens=(1024, 4096, 16384), dtype: 
                 cells.append(" / ".join(numbers) + ratio)
             label = series.replace(f"-{dtype}", "").replace("-", ", ")
             lines.append(f"| {label} | {seqlen} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def option_cost_summary(results: list[Result]) -> str:
+    """Markdown: per option, mode and sequence length, ours with the option in ms, and its
+    time relative to our plain attention measured in the same run."""
+    ours = {(r.mode, r.shape.head_dim, r.shape.causal, r.shape.seqlen_q, r.shape.option): r for r in results
+            if r.provider == "cutile" and r.ms}  # fmt: skip
+    modes = [m for m in MODE_FLOP_FACTOR if any(r.mode == m for r in results)]
+    keys = sorted({(k[1], k[2], k[3]) for k in ours})
+    options = [o for o in OPTIONS if any(k[4] == o for k in ours)]
+    header = "| option | D, mask | S | " + " | ".join(f"{m} ms (x plain)" for m in modes) + " |"
+    lines = [header, "|" + " --- |" * (3 + len(modes))]
+    for option in options:
+        for head_dim, causal, seqlen in keys:
+            cells = []
+            for mode in modes:
+                plain, modified = (
+                    ours.get((mode, head_dim, causal, seqlen, "")),
+                    ours.get((mode, head_dim, causal, seqlen, option)),
+                )
+                if plain and modified:
+                    cells.append(f"{modified.ms:.2f} ({modified.ms / plain.ms:.2f}x)")
+                else:
+                    cells.append("n/a")
+            mask = "causal" if causal else "full"
+            lines.append(f"| {option} | {head_dim}, {mask} | {seqlen} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -89,3 +89,26 @@ def test_bench_quick_run_skips_cleanly_without_a_gpu():
 def test_bench_markdown_summary_has_ratio():
     text = bench_utils.markdown_summary(_synthetic_results(), seqlens=(1024,))
     assert "| d128, causal | 1024 | 400 / 500 / n/a (0.80x) |" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(3, 0), (2, 5), (-1, 4), (6, -1)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(9, 9), (5, 12), (12, 5)])
+def test_visible_pairs_with_window_match_mask(seqlen_q, seqlen_k, causal, window):
+    from tilegym.ops.attention.reference import causal_mask, window_mask
+
+    if causal and window[1] > 0:
+        window = (window[0], 0)
+    mask = window_mask(seqlen_q, seqlen_k, *window)
+    if causal:
+        mask &= causal_mask(seqlen_q, seqlen_k)
+    assert bench_utils.visible_pairs(seqlen_q, seqlen_k, causal, window) == int(mask.sum())
+
+
+def test_option_cost_summary_divides_by_plain():
+    def result(option, ms):
+        shape = bench_utils.Shape(4, 16, 16, 4096, 4096, 128, True, "bfloat16", option)
+        return bench_utils.Result("fwd", "cutile", shape, ms=ms)
+
+    text = bench_utils.option_cost_summary([result("", 2.0), result("softcap", 3.0)])
+    assert "| softcap | 128, causal | 4096 | 3.00 (1.50x) |" in text
