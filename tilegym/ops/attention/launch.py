@@ -280,11 +280,17 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     bias_grad = bias_grad and mods.bias_mode != BIAS_NONE
     d_bias = None
     if bias_grad:
-        # Zeros: the tiles a mask or window skips are never written.
-        stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
         rows = 1 if mods.bias_mode == score_mods.BIAS_ONE_ROW else problem.seqlen_q
         shape = (problem.batch, problem.q_heads, rows, problem.seqlen_k)
-        d_bias = torch.zeros(shape, dtype=stat_dtype, device=q.device)
+        # A bias of that very shape takes the kernel's output as is, in its own dtype; a
+        # broadcast one is summed afterwards, from fp32 (fp64) partial sums.
+        if score_mods.padded_shape(mods.bias_shape) == shape:
+            dtype = mod_tensors.bias.dtype
+        else:
+            dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        # Zeros where a mask or window skips tiles, which the kernel never writes.
+        skips_tiles = mods.bias_mode == score_mods.BIAS_PER_ROW and (problem.causal or mods.window is not None)
+        d_bias = (torch.zeros if skips_tiles else torch.empty)(shape, dtype=dtype, device=q.device)
     if problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)

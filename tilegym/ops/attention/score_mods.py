@@ -121,7 +121,7 @@ def check_bias(attn_bias, q: torch.Tensor, seqlen_k: int, q_heads: int) -> tuple
         raise ValueError(f"attn_bias must be on q's device ({q.device}), got {attn_bias.device}")
     target = (q.shape[0], q_heads, q.shape[2], seqlen_k)
     shape = tuple(attn_bias.shape)
-    padded = (1,) * (4 - len(shape)) + shape
+    padded = padded_shape(shape)
     if len(shape) > 4 or any(size not in (1, full) for size, full in zip(padded, target, strict=True)):
         raise ValueError(
             f"attn_bias of shape {shape} does not broadcast to [batch, q heads, Sq, Sk] = {list(target)}: "
@@ -162,11 +162,16 @@ def check_alibi(alibi_slopes, q: torch.Tensor, q_heads: int) -> torch.Tensor | N
     return alibi_slopes.detach().reshape(-1, q_heads).contiguous()
 
 
+def padded_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A bias shape as four dims, 1 for each missing leading dim."""
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
 def reduce_bias_grad(d_bias: torch.Tensor, mods: ScoreMods, dtype: torch.dtype) -> torch.Tensor:
     """dBias of the caller's bias from the kernels' [B, Hq, 1 or Sq, Sk] buffer: sums over the
     dims the bias was broadcast along."""
     shape = mods.bias_shape
-    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    padded = padded_shape(shape)
     summed = [dim for dim in range(4) if padded[dim] == 1 and d_bias.shape[dim] != 1]
     if summed:
         d_bias = d_bias.sum(dim=summed, keepdim=True)
