@@ -269,3 +269,14 @@ def test_op_attention_variant_rejects_bad_options(kwargs, error, message):
     with pytest.raises(error, match=message):
         tile_fmha_with_backward(q, k, v, is_causal=True, **built)
     assert torch.isfinite(tile_fmha(q, k, v)).all(), "the GPU is still usable after a rejected call"
+
+
+@pytest.mark.parametrize("case", [Case("sq0", 2, 2, 2, 0, 16, 64), Case("sk0", 2, 2, 2, 16, 0, 64)], ids=str)
+def test_op_attention_variant_empty(case):
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
+    bias = torch.randn(case.batch, 1, case.seqlen_q, case.seqlen_k, device="cuda", dtype=torch.bfloat16)
+    bias.requires_grad_()
+    out = tile_fmha_with_backward(q, k, v, is_causal=False, attn_bias=bias, softcap=5.0)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out))
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v, bias))

@@ -292,7 +292,9 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         skips_tiles = mods.bias_mode == score_mods.BIAS_PER_ROW and (problem.causal or mods.window is not None)
         d_bias = (torch.zeros if skips_tiles else torch.empty)(shape, dtype=dtype, device=q.device)
     if problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
+        for gradient in (dq, dk, dv, d_bias):
+            if gradient is not None:
+                gradient.zero_()
         return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)
 
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
