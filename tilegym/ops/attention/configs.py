@@ -33,11 +33,13 @@ def _c(block_m, block_n=None, **hints) -> TileConfig:
 
 
 # Hopper: 128-row tiles need 8 worker warps (two warpgroups) to hold their fp32
-# accumulators without spilling; 64-row tiles fit one warpgroup.
+# accumulators without spilling; 64-row tiles fit one warpgroup. The D=64/128 forward runs
+# best on clusters of two CTAs, two per SM (perf-notes section 5); the backward must stay at
+# one CTA (a two-CTA dK/dV faulted).
 _SM90_FORWARD = {
     32: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 64)],
-    64: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(128, 64, num_worker_warps=8)],
-    128: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(128, 128, num_worker_warps=8, occupancy=2)],
+    64: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8), _c(128, 64)],
+    128: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8), _c(128, 64)],
     256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
 }
 _SM90_DKDV = {
