@@ -126,14 +126,23 @@ class TuneCache:
                 warnings.warn(f"tilegym: could not write the tune cache {self.path}: {error}", stacklevel=3)
 
 
-_caches: dict[Path, TuneCache] = {}
+_CACHE_DIR_VARIABLES = ("TILEGYM_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
+_caches: dict[tuple, TuneCache] = {}
+_caches_by_path: dict[Path, TuneCache] = {}  # one object per file, however its dir was named
 
 
 def tune_cache(device_name: str, cutile_version: str) -> TuneCache:
-    path = cache_dir() / f"autotune-{_slug(device_name)}-cuda-tile-{_slug(cutile_version)}.json"
-    if path not in _caches:
-        _caches[path] = TuneCache(path)
-    return _caches[path]
+    """The cache of one GPU and cuda-tile version under the current cache dir.
+
+    Every launch asks for it, so it is found by the environment values that decide the
+    cache dir rather than by building the path again (a fifth of a launch's host time).
+    """
+    key = (device_name, cutile_version, *(os.environ.get(name) for name in _CACHE_DIR_VARIABLES))
+    cache = _caches.get(key)
+    if cache is None:
+        path = cache_dir() / f"autotune-{_slug(device_name)}-cuda-tile-{_slug(cutile_version)}.json"
+        cache = _caches[key] = _caches_by_path.setdefault(path, TuneCache(path))
+    return cache
 
 
 def _progress(message: str) -> None:

@@ -81,6 +81,16 @@ def test_op_training_forward_tunes_like_inference_forward():
             )
 
 
+def test_op_modified_configs_run_on_single_ctas():
+    """Score modifiers never run on CTA clusters (a two-CTA forward faulted with a one-row bias)."""
+    for arch in configs.ARCHS:
+        for kernel in configs.KERNELS:
+            for head_dim in configs.HEAD_DIMS:
+                table = configs.candidates(kernel, arch, head_dim, 2, modified=True)
+                assert table, f"no config for {kernel} on {arch} at d={head_dim} with modifiers"
+                assert all((config.num_ctas or 1) == 1 for config in table)
+
+
 @pytest.mark.parametrize("head_dim, tile", [(32, 32), (64, 64), (80, 128), (96, 128), (128, 128), (256, 256)], ids=str)
 def test_op_head_dim_tile(head_dim, tile):
     assert configs.head_dim_tile(head_dim) == tile
@@ -107,6 +117,18 @@ def test_op_tune_cache_round_trip(monkeypatch, tmp_path):
     fresh = autotune.TuneCache(files[0])  # as a new process would read it
     assert fresh.get("attention_forward|key") == config
     assert fresh.get("attention_forward|other") is None
+
+
+def test_op_tune_cache_follows_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILEGYM_CACHE_DIR", str(tmp_path / "a"))
+    first = autotune.tune_cache("GPU", "1.7.0")
+    assert autotune.tune_cache("GPU", "1.7.0") is first
+    monkeypatch.setenv("TILEGYM_CACHE_DIR", str(tmp_path / "b"))
+    second = autotune.tune_cache("GPU", "1.7.0")
+    assert second.path.parent == tmp_path / "b" and first.path.parent == tmp_path / "a"
+    monkeypatch.delenv("TILEGYM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a"))
+    assert autotune.tune_cache("GPU", "1.7.0").path == tmp_path / "a" / "tilegym" / first.path.name
 
 
 def test_op_tune_cache_ignores_corrupt_file(tmp_path):
