@@ -35,7 +35,8 @@ def _c(block_m, block_n=None, **hints) -> TileConfig:
 # Hopper: 128-row tiles need 8 worker warps (two warpgroups) to hold their fp32
 # accumulators without spilling; 64-row tiles fit one warpgroup. The D=64/128 forward runs
 # best on clusters of two CTAs, two per SM (perf-notes section 5); the backward must stay at
-# one CTA (a two-CTA dK/dV faulted).
+# one CTA (a two-CTA dK/dV faulted). The backward's D=64/128 defaults run two CTAs per SM
+# with small tiles, which hides the latency of their four dependent matmuls (section 7).
 _SM90_FORWARD = {
     32: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 64)],
     64: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8), _c(128, 64)],
@@ -44,20 +45,24 @@ _SM90_FORWARD = {
 }
 _SM90_DKDV = {
     32: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
-    64: [_c(64, 128, num_worker_warps=8), _c(64, 64)],
-    128: [_c(64, 128, num_worker_warps=8), _c(32, 128, num_worker_warps=8)],
+    64: [_c(64, 64, occupancy=2), _c(64, 128, num_worker_warps=8)],
+    128: [_c(64, 64, occupancy=2), _c(32, 128, num_worker_warps=8)],
     # D=256: dK and dV take 2 x 64 x 256 fp32 accumulators; 16-row query tiles keep them in registers.
     256: [_c(16, 64, num_worker_warps=8), _c(32, 64, num_worker_warps=8)],
 }
 _SM90_DQ = {
     32: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
-    64: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
-    128: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
+    64: [_c(64, 64, occupancy=2), _c(128, 64, num_worker_warps=8)],
+    128: [_c(128, 64, num_worker_warps=8), _c(64, 64, occupancy=2)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
-# With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles:
-# 64x128 spills there, 32x128 and 64x64 do not.
+# With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
+# two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
 _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}
+# The D=64 dQ keeps the configs it had before occupancy 2: with a one-row bias, the 64x64
+# occupancy-2 cubin (no local memory) is one the SASS disassembler cannot read, so CI could
+# not check it for warpgroup MMA.
+_SM90_DQ_MODIFIED = _SM90_DQ | {64: [_c(128, 64, num_worker_warps=8), _c(64, 64)]}
 # The preprocess is a row reduction, memory bound: one config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
 
@@ -147,15 +152,22 @@ def arch_family(compute_capability: tuple[int, int]) -> str:
 
 
 # Tables that replace TABLES[arch][kernel] when any score modifier is on.
-MODIFIED_TABLES = {("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED}
+MODIFIED_TABLES = {("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED, ("sm_90", BACKWARD_DQ): _SM90_DQ_MODIFIED}
 
 
 def candidates(kernel: str, arch: str, head_dim: int, element_size: int, modified: bool = False) -> list[TileConfig]:
-    """The configs to try for one kernel, first one the default; modified: with score modifiers."""
+    """The configs to try for one kernel, first one the default; modified: with score modifiers.
+
+    With score modifiers no config runs on CTA clusters: the two-CTA forward faulted on a
+    misaligned address with a one-row bias on Hopper (perf-notes section 5).
+    """
     if element_size > 2:
         table = WIDE_TABLE[kernel]
     elif modified and (arch, kernel) in MODIFIED_TABLES:
         table = MODIFIED_TABLES[arch, kernel]
     else:
         table = TABLES[arch][kernel]
-    return list(table[head_dim_tile(head_dim)])
+    choices = list(table[head_dim_tile(head_dim)])
+    if modified:
+        choices = [config for config in choices if (config.num_ctas or 1) == 1]
+    return choices
