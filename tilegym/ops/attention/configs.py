@@ -9,6 +9,8 @@ Configs for 4- and 8-byte element types (fp32, fp64) are separate and small: the
 take two to four times the registers and shared memory of fp16/bf16 tiles.
 """
 
+from functools import cache
+
 from tilegym.autotune import TileConfig
 
 FORWARD = "attention_forward"
@@ -155,11 +157,15 @@ def arch_family(compute_capability: tuple[int, int]) -> str:
 MODIFIED_TABLES = {("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED, ("sm_90", BACKWARD_DQ): _SM90_DQ_MODIFIED}
 
 
-def candidates(kernel: str, arch: str, head_dim: int, element_size: int, modified: bool = False) -> list[TileConfig]:
+@cache
+def candidates(
+    kernel: str, arch: str, head_dim: int, element_size: int, modified: bool = False
+) -> tuple[TileConfig, ...]:
     """The configs to try for one kernel, first one the default; modified: with score modifiers.
 
     With score modifiers no config runs on CTA clusters: the two-CTA forward faulted on a
-    misaligned address with a one-row bias on Hopper (perf-notes section 5).
+    misaligned address with a one-row bias on Hopper (perf-notes section 5). Cached: every
+    launch asks.
     """
     if element_size > 2:
         table = WIDE_TABLE[kernel]
@@ -167,7 +173,7 @@ def candidates(kernel: str, arch: str, head_dim: int, element_size: int, modifie
         table = MODIFIED_TABLES[arch, kernel]
     else:
         table = TABLES[arch][kernel]
-    choices = list(table[head_dim_tile(head_dim)])
+    choices = table[head_dim_tile(head_dim)]
     if modified:
         choices = [config for config in choices if (config.num_ctas or 1) == 1]
-    return choices
+    return tuple(choices)
