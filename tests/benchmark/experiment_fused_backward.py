@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from tilegym import autotune  # noqa: E402
 from tilegym.autotune import TileConfig  # noqa: E402
-from tilegym.ops.attention import kernels, launch  # noqa: E402
+from tilegym.ops.attention import configs, kernels, launch  # noqa: E402
 from tilegym.ops.attention.kernels import (  # noqa: E402
     ConstBool,
     ConstInt,
@@ -102,7 +102,7 @@ def fused_backward(d_out, q, k, v, out, lse, causal: bool, config: TileConfig):
     batch, heads, seqlen, head_dim = q.shape
     stream = torch.cuda.current_stream()
     delta = torch.empty((batch, heads, seqlen), device=q.device, dtype=torch.float32)
-    rows = 128 if head_dim <= 64 else 64
+    rows = configs.candidates(configs.BACKWARD_PREPROCESS, "sm_90", head_dim, q.element_size())[0].block_m
     preprocess_grid = (math.ceil(seqlen / rows), heads, batch)
     ct.launch(
         stream, preprocess_grid, kernels.attention_backward_preprocess_kernel, (out, d_out, delta, rows, head_dim)
