@@ -43,7 +43,8 @@ _SM90_FORWARD = {
     32: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 64)],
     # Four 64x64 CTAs per SM win at D=64 for sequences up to about 2048 (section 11).
     64: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8), _c(64, 64, occupancy=4)],
-    128: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8), _c(128, 64)],
+    # 128x64 never won a D=128 shape and spills with every modifier on (section 14).
+    128: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8)],
     256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
 }
 _SM90_DKDV = {

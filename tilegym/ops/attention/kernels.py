@@ -8,7 +8,8 @@ zero padding, so sequence lengths and head dims need not be multiples of a tile,
 stores past the end of an array are dropped: nothing outside the tensors is touched.
 
 Causal masking is bottom-right aligned: query i sees key j iff j <= i + (Sk - Sq).
-Scores are kept in base 2 (scaled by softmax_scale * log2(e)) so exp2 does the softmax.
+Scores are kept in base 2 (scaled by softmax_scale * log2(e)) so exp2 does the softmax; the
+plain forward keeps raw products and applies the scale inside exp2's argument instead.
 
 Score modifiers (bias, sliding window, softcap, ALiBi; see score_mods.py) are compile-time
 switches: with all of them off, each kernel compiles to the code it had without them.
@@ -73,6 +74,16 @@ def _log2e(dtype):
     if dtype == ct.float64:
         return 1.0 / _ln2(dtype)
     return LOG2E
+
+
+@ct.function
+def _exp2(x):
+    # Flushing subnormal results to zero lets exp2 compile to the bare hardware instruction
+    # (without it every element pays a range test and two predicated multiplies). A
+    # probability below 2^-126 of its row's maximum changes no sum we form.
+    if x.dtype == ct.float64:
+        return ct.exp2(x)
+    return ct.exp2(x, flush_to_zero=True)
 
 
 @ct.function
@@ -257,6 +268,17 @@ def _key_columns(kv_tile, block_n: ConstInt, masked: ConstBool, switches):
 
 
 @ct.function
+def _forward_keeps_raw_scores(switches):
+    """Whether the forward keeps raw products q.k and their running max, scaling inside exp2.
+
+    True for plain attention (masks aside), whose launcher makes the scale positive, so the
+    largest product is the largest score.
+    """
+    _, capped, bias_mode, alibi = switches
+    return not capped and bias_mode == BIAS_NONE and not alibi
+
+
+@ct.function
 def _forward_step(
     q,
     K,
@@ -280,15 +302,22 @@ def _forward_step(
     causal: ConstBool,
     masked: ConstBool,
 ):
-    """One online-softmax update of a query tile with one key/value tile."""
+    """One online-softmax update of a query tile with one key/value tile.
+
+    row_max is in raw units or base-2 scores, as _forward_keeps_raw_scores says.
+    """
     acc_dtype = _accumulator_dtype(q.dtype)
     k = _load_rows(K, b, kv_head, kv_tile, block_n, block_d)
     raw = ct.mma(q, ct.transpose(k), ct.zeros((block_m, block_n), acc_dtype))
     cols = _key_columns(kv_tile, block_n, masked, switches)
-    scores, _ = _scores(
-        raw, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, q.dtype, mods, switches,
-        block_m, block_n, False,
-    )  # fmt: skip
+    raw_units = _forward_keeps_raw_scores(switches)
+    if raw_units:
+        scores = raw
+    else:
+        scores, _ = _scores(
+            raw, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, q.dtype, mods, switches,
+            block_m, block_n, False,
+        )  # fmt: skip
     if masked:
         scores = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, mods, switches), scores, NEG_INF)
     new_max = ct.maximum(row_max, ct.max(scores, axis=1, keepdims=True))
@@ -299,8 +328,13 @@ def _forward_step(
         new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
     else:
         new_max_safe = new_max
-    probs = ct.exp2(scores - new_max_safe)
-    rescale = ct.exp2(row_max - new_max_safe)
+    if raw_units:
+        # The scale enters exp2's argument as one fused multiply-add per score.
+        probs = _exp2(scores * qk_scale_log2 - new_max_safe * qk_scale_log2)
+        rescale = _exp2((row_max - new_max_safe) * qk_scale_log2)
+    else:
+        probs = _exp2(scores - new_max_safe)
+        rescale = _exp2(row_max - new_max_safe)
     row_sum = row_sum * rescale + ct.sum(probs, axis=1, keepdims=True)
     v = _load_rows(V, b, kv_head, kv_tile, block_n, block_d)
     acc = ct.mma(probs.astype(v.dtype), v, acc * rescale)
@@ -389,9 +423,13 @@ def _forward_tile(
     row_max, row_sum, acc = state
 
     # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
-    out = acc / ct.where(row_sum == 0.0, 1.0, row_sum)
+    # One reciprocal per row, not a division per element: the division's slow-path checks
+    # cost the epilogue a share of a short sequence's time.
+    out = acc * (1.0 / ct.where(row_sum == 0.0, 1.0, row_sum))
     _store_rows(Out, b, q_head, q_tile, out, block_m, block_d)
     if write_lse:
+        if _forward_keeps_raw_scores(switches):
+            row_max = row_max * qk_scale_log2
         lse = (row_max + ct.log2(row_sum)) * _ln2(acc_dtype)
         ct.store(Lse, index=(b, q_head, q_tile), tile=lse.reshape((1, 1, block_m)).astype(Lse.dtype))
 
@@ -531,7 +569,12 @@ def _dkdv_step(
         raw_t, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, k.dtype, mods, switches,
         block_m, block_n, True,
     )  # fmt: skip
-    probs_t = ct.exp2(scores_t - lse)
+    if block_d > 64:
+        # Wider dK/dV tiles leave no registers to spare at two CTAs per SM: the flushed
+        # exp2's schedule spills there, and it gained nothing at D=128 (perf-notes section 14).
+        probs_t = ct.exp2(scores_t - lse)
+    else:
+        probs_t = _exp2(scores_t - lse)
     if masked:
         probs_t = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, mods, switches), probs_t, 0.0)
     d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
@@ -730,7 +773,7 @@ def _dq_step(
         raw, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, q.dtype, mods, switches,
         block_m, block_n, False,
     )  # fmt: skip
-    probs = ct.exp2(scores - lse)
+    probs = _exp2(scores - lse)
     if masked:
         probs = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, mods, switches), probs, 0.0)
     d_probs = ct.mma(d_out, ct.transpose(v), ct.zeros((block_m, block_n), acc_dtype))

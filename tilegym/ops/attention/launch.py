@@ -220,6 +220,18 @@ def _placeholder_slopes(device: torch.device) -> torch.Tensor:
     return torch.zeros((1, 1), dtype=torch.float32, device=device)
 
 
+def _positive_scale(q: torch.Tensor, problem: AttentionProblem) -> tuple[torch.Tensor, float]:
+    """(q, scale) giving the same scores with scale > 0, which the plain forward kernels need
+    (they scale inside exp2, kernels._forward_keeps_raw_scores): s * q.k = -s * (-q).k, and
+    0 * q.k = 1 * (0 q).k. Both are exact; only a non-positive scale pays for a copy of q."""
+    scale = problem.softmax_scale
+    if scale > 0 or problem.mods.changes_scores:
+        return q, scale
+    if scale < 0:
+        return -q, -scale
+    return q * 0, 1.0
+
+
 def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None, mod_tensors=NO_TENSORS):
     """out (and lse when with_lse) of validated inputs.
 
@@ -241,7 +253,8 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
         return out, lse
 
     head_tile = configs.head_dim_tile(problem.head_dim)
-    qk_scale_log2 = split_float(problem.softmax_scale * LOG2E)
+    q, softmax_scale = _positive_scale(q, problem)
+    qk_scale_log2 = split_float(softmax_scale * LOG2E)
     group = problem.query_group_size
     launcher = _Launcher(problem, q.device)
     if with_lse:

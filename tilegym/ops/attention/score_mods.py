@@ -43,6 +43,11 @@ class ScoreMods:
         """Bias and slopes are indexed by (batch, head), so batch cannot be folded into heads."""
         return self.bias_mode != BIAS_NONE or self.alibi
 
+    @property
+    def changes_scores(self) -> bool:
+        """Some modifier changes score values (a window only hides some of them)."""
+        return self.bias_mode != BIAS_NONE or bool(self.softcap) or self.alibi
+
     def key(self) -> str:
         """Suffix of the tuning key: empty for plain attention."""
         parts = []
