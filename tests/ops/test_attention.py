@@ -139,7 +139,8 @@ def test_op_attention_wide_dtypes(dtype, causal):
     check_forward_and_backward(Case("gqa-odd", 1, 4, 2, 45, 37, 64), dtype, causal)
 
 
-@pytest.mark.parametrize("scaling", [0.05, 1.0, -0.3], ids=lambda s: f"scale{s}")
+# A negative or zero scale takes the forward's sign-flipped or zeroed copy of q.
+@pytest.mark.parametrize("scaling", [0.05, 1.0, -0.3, 0.0], ids=lambda s: f"scale{s}")
 def test_op_attention_scaling(scaling):
     check_forward_and_backward(Case("scaled", 1, 2, 2, 100, 100, 64), torch.bfloat16, True, scaling=scaling)
 
