@@ -27,7 +27,6 @@ from tilegym.ops.attention import configs, kernels, launch  # noqa: E402
 from tilegym.ops.attention.kernels import (  # noqa: E402
     ConstBool,
     ConstInt,
-    _base2_lse,
     _causal_query_tiles,
     _load_row_stat,
     _load_rows,
@@ -39,12 +38,12 @@ LOG2E = 1.4426950408889634
 
 @ct.function
 def _fused_step(
-    k, v, Q, dOut, Lse, Delta, DQsum, b, h, q_tile, d_key, d_value, cols, qk_scale_log2, seqlen_q, seqlen_k,
+    k, v, Q, dOut, LseBase2, Delta, DQsum, b, h, q_tile, d_key, d_value, cols, qk_scale_log2, seqlen_q, seqlen_k,
     block_m: ConstInt, block_n: ConstInt, block_d: ConstInt, causal: ConstBool, masked: ConstBool,
 ):  # fmt: skip
     q = _load_rows(Q, b, h, q_tile, block_m, block_d)
     d_out = _load_rows(dOut, b, h, q_tile, block_m, block_d)
-    lse = _base2_lse(Lse, b, h, q_tile, block_m)[None, :]
+    lse = _load_row_stat(LseBase2, b, h, q_tile, block_m)[None, :]
     delta = _load_row_stat(Delta, b, h, q_tile, block_m)[None, :]
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]
     probs_t = ct.exp2(ct.mma(k, ct.transpose(q), ct.zeros((block_n, block_m), ct.float32)) * qk_scale_log2 - lse)
@@ -67,7 +66,7 @@ def _fused_step(
 
 @ct.kernel
 def fused_backward_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, DQsum, softmax_scale: float, qk_scale_log2: float,
+    Q, K, V, dOut, LseBase2, Delta, dK, dV, DQsum, softmax_scale: float, qk_scale_log2: float,
     block_m: ConstInt, block_n: ConstInt, block_d: ConstInt, causal: ConstBool,
 ):  # fmt: skip
     """dK, dV of one key tile, and its contributions to dQ; grid (key tiles, heads, batch)."""
@@ -82,7 +81,7 @@ def fused_backward_kernel(
     d_key = ct.zeros((block_n, block_d), ct.float32)
     d_value = ct.zeros((block_n, block_d), ct.float32)
     masked_start, full_start, num_q_tiles = _causal_query_tiles(kv_tile, seqlen_q, seqlen_k, block_m, block_n, causal)
-    tile = (k, v, Q, dOut, Lse, Delta, DQsum, b, h)
+    tile = (k, v, Q, dOut, LseBase2, Delta, DQsum, b, h)
     for q_tile in range(masked_start, full_start):
         d_key, d_value = _fused_step(
             *tile, q_tile, d_key, d_value, cols, qk_scale_log2, seqlen_q, seqlen_k,
@@ -101,17 +100,20 @@ def fused_backward(d_out, q, k, v, out, lse, causal: bool, config: TileConfig):
     """(dq, dk, dv): preprocess, the fused kernel, then dQ scaled and cast from its fp32 sum."""
     batch, heads, seqlen, head_dim = q.shape
     stream = torch.cuda.current_stream()
-    delta = torch.empty((batch, heads, seqlen), device=q.device, dtype=torch.float32)
+    delta, lse_base2 = (torch.empty((batch, heads, seqlen), device=q.device, dtype=torch.float32) for _ in range(2))
     rows = configs.candidates(configs.BACKWARD_PREPROCESS, "sm_90", head_dim, q.element_size())[0].block_m
     preprocess_grid = (math.ceil(seqlen / rows), heads, batch)
     ct.launch(
-        stream, preprocess_grid, kernels.attention_backward_preprocess_kernel, (out, d_out, delta, rows, head_dim)
+        stream,
+        preprocess_grid,
+        kernels.attention_backward_preprocess_kernel,
+        (out, d_out, lse, delta, lse_base2, rows, head_dim),
     )
     padded_rows = math.ceil(seqlen / config.block_m) * config.block_m
     dq_sum = torch.zeros((batch, heads, padded_rows, head_dim), device=q.device, dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     scale = 1 / math.sqrt(head_dim)
-    args = (q, k, v, d_out, lse, delta, dk, dv, dq_sum, scale, scale * LOG2E)
+    args = (q, k, v, d_out, lse_base2, delta, dk, dv, dq_sum, scale, scale * LOG2E)
     args += (config.block_m, config.block_n, head_dim, causal)
     kernel = autotune.with_hints(fused_backward_kernel, config)
     ct.launch(stream, (math.ceil(seqlen / config.block_n), heads, batch), kernel, args)

@@ -22,7 +22,7 @@ KERNELS = {
     configs.BACKWARD_DKDV: kernels.attention_backward_dkdv_kernel,
     configs.BACKWARD_DQ: kernels.attention_backward_dq_kernel,
 }
-_ROW_STATS = ("Lse", "Delta")
+_ROW_STATS = ("Lse", "Delta", "LseBase2")
 
 
 def _array(dtype, ndim: int) -> ArrayConstraint:

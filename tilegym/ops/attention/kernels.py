@@ -504,8 +504,16 @@ def attention_forward_lse_kernel(
 
 
 @ct.kernel
-def attention_backward_preprocess_kernel(Out, dOut, Delta, block_m: ConstInt, block_d: ConstInt):
-    """Delta_i = sum_d Out_id * dOut_id, in fp32 (fp64 for fp64 inputs)."""
+def attention_backward_preprocess_kernel(
+    Out, dOut, Lse, Delta, LseBase2, block_m: ConstInt, block_d: ConstInt
+):  # fmt: skip
+    """The per-row statistics of the dK/dV and dQ kernels, in fp32 (fp64 for fp64 inputs):
+    Delta_i = sum_d Out_id * dOut_id, and the LSE in base 2.
+
+    The base-2 LSE is +inf for a row that saw no key (LSE -inf), which makes its
+    probabilities exp2(s - inf) = 0. Converting it here, once per row, keeps that select
+    and multiply out of every step of the dK/dV loop.
+    """
     q_tile = ct.bid(0)
     q_head = ct.bid(1)
     b = ct.bid(2)
@@ -514,13 +522,9 @@ def attention_backward_preprocess_kernel(Out, dOut, Delta, block_m: ConstInt, bl
     d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d).astype(acc_dtype)
     delta = ct.sum(out * d_out, axis=1)
     ct.store(Delta, index=(b, q_head, q_tile), tile=delta.reshape((1, 1, block_m)).astype(Delta.dtype))
-
-
-@ct.function
-def _base2_lse(Lse, b, q_head, q_tile, block_m: ConstInt):
-    # A row that saw no key has LSE -inf; +inf makes its probabilities exp2(s - inf) = 0.
     lse = _load_row_stat(Lse, b, q_head, q_tile, block_m)
-    return ct.where(lse == NEG_INF, POS_INF, lse * _log2e(lse.dtype))
+    lse_base2 = ct.where(lse == NEG_INF, POS_INF, lse * _log2e(lse.dtype))
+    ct.store(LseBase2, index=(b, q_head, q_tile), tile=lse_base2.reshape((1, 1, block_m)).astype(LseBase2.dtype))
 
 
 @ct.function
@@ -529,7 +533,7 @@ def _dkdv_step(
     v,
     Q,
     dOut,
-    Lse,
+    LseBase2,
     Delta,
     DBias,
     b,
@@ -560,7 +564,7 @@ def _dkdv_step(
     acc_dtype = _accumulator_dtype(k.dtype)
     q = _load_rows(Q, b, q_head, q_tile, block_m, block_d)
     d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d)
-    lse = _base2_lse(Lse, b, q_head, q_tile, block_m)[None, :]
+    lse = _load_row_stat(LseBase2, b, q_head, q_tile, block_m)[None, :]
     delta = _load_row_stat(Delta, b, q_head, q_tile, block_m)[None, :]
 
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]
@@ -606,10 +610,27 @@ def _dkdv_loop(
 ):
     """state (d_key, d_value, d_bias_row) plus the contributions of query tiles [first, last)."""
     d_key, d_value, d_bias_row = state
-    k, v, Q, dOut, Lse, Delta, DBias, b, q_head, kv_tile, cols, qk_scale_log2, seqlen_q, seqlen_k, mods, switches = tile
+    (
+        k,
+        v,
+        Q,
+        dOut,
+        LseBase2,
+        Delta,
+        DBias,
+        b,
+        q_head,
+        kv_tile,
+        cols,
+        qk_scale_log2,
+        seqlen_q,
+        seqlen_k,
+        mods,
+        switches,
+    ) = tile
     for q_tile in range(first, last):
         d_key, d_value, d_bias_row = _dkdv_step(
-            k, v, Q, dOut, Lse, Delta, DBias, b, q_head, q_tile, kv_tile, d_key, d_value, d_bias_row, cols,
+            k, v, Q, dOut, LseBase2, Delta, DBias, b, q_head, q_tile, kv_tile, d_key, d_value, d_bias_row, cols,
             qk_scale_log2, seqlen_q, seqlen_k, mods, switches, block_m, block_n, block_d, causal, masked, bias_grad,
         )  # fmt: skip
     return d_key, d_value, d_bias_row
@@ -639,7 +660,7 @@ def attention_backward_dkdv_kernel(
     K,
     V,
     dOut,
-    Lse,
+    LseBase2,
     Delta,
     dK,
     dV,
@@ -702,7 +723,7 @@ def attention_backward_dkdv_kernel(
             v,
             Q,
             dOut,
-            Lse,
+            LseBase2,
             Delta,
             DBias,
             b,
@@ -810,7 +831,7 @@ def attention_backward_dq_kernel(
     K,
     V,
     dOut,
-    Lse,
+    LseBase2,
     Delta,
     dQ,
     softmax_scale: float,
@@ -850,7 +871,7 @@ def attention_backward_dq_kernel(
 
     q = _load_rows(Q, b, q_head, q_tile, block_m, block_d)
     d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d)
-    lse = _base2_lse(Lse, b, q_head, q_tile, block_m)[:, None]
+    lse = _load_row_stat(LseBase2, b, q_head, q_tile, block_m)[:, None]
     delta = _load_row_stat(Delta, b, q_head, q_tile, block_m)[:, None]
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     d_query = ct.zeros((block_m, block_d), acc_dtype)

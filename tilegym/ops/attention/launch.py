@@ -317,24 +317,24 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     group = problem.query_group_size
     launcher = _Launcher(problem, q.device)
 
-    delta = _row_stat(problem, q.device)
+    delta, lse_base2 = _row_stat(problem, q.device), _row_stat(problem, q.device)
     folded = fold_batch_into_heads(
-        q, k, v, out, d_out, lse, delta, dq, dk, dv, allowed=not mods.indexes_batch_and_head
+        q, k, v, out, d_out, lse, delta, lse_base2, dq, dk, dv, allowed=not mods.indexes_batch_and_head
     )  # fmt: skip
-    q, k, v, out, d_out, lse, delta, dq_, dk_, dv_ = folded
+    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_ = folded
     query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
     launcher.launch(
         configs.BACKWARD_PREPROCESS,
         kernels.attention_backward_preprocess_kernel,
         query_tiles,
-        lambda config: (out, d_out, delta, config.block_m, head_tile),
+        lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
     )
     mod_args = _ModArgs(problem, mod_tensors, q)
     bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
     def writing(gradients, extra_arrays=(), extra_switches=()):
         """Arguments of the dK/dV and dQ kernels, which differ in the gradients they write."""
-        inputs = (q, k, v, d_out, lse, delta)
+        inputs = (q, k, v, d_out, lse_base2, delta)
         middle = (*scale, *qk_scale_log2, group, mod_args.bias, mod_args.slopes, *extra_arrays, *mod_args.values)
         switches = (mod_args.kernel_causal, *mod_args.switches, *extra_switches)
         return lambda config: (*inputs, *gradients, *middle, config.block_m, config.block_n, head_tile, *switches)
