@@ -610,24 +610,8 @@ def _dkdv_loop(
 ):
     """state (d_key, d_value, d_bias_row) plus the contributions of query tiles [first, last)."""
     d_key, d_value, d_bias_row = state
-    (
-        k,
-        v,
-        Q,
-        dOut,
-        LseBase2,
-        Delta,
-        DBias,
-        b,
-        q_head,
-        kv_tile,
-        cols,
-        qk_scale_log2,
-        seqlen_q,
-        seqlen_k,
-        mods,
-        switches,
-    ) = tile
+    (k, v, Q, dOut, LseBase2, Delta, DBias, b, q_head, kv_tile, cols,
+     qk_scale_log2, seqlen_q, seqlen_k, mods, switches) = tile  # fmt: skip
     for q_tile in range(first, last):
         d_key, d_value, d_bias_row = _dkdv_step(
             k, v, Q, dOut, LseBase2, Delta, DBias, b, q_head, q_tile, kv_tile, d_key, d_value, d_bias_row, cols,
