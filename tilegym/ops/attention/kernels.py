@@ -17,6 +17,7 @@ switches: with all of them off, each kernel compiles to the code it had without 
 
 import cuda.tile as ct
 
+from tilegym.kernel_cache import CachedKernel
 from tilegym.ops.attention.score_mods import BIAS_NONE, BIAS_ONE_ROW, BIAS_PER_ROW
 
 ConstInt = ct.Constant[int]
@@ -434,7 +435,7 @@ def _forward_tile(
         ct.store(Lse, index=(b, q_head, q_tile), tile=lse.reshape((1, 1, block_m)).astype(Lse.dtype))
 
 
-@ct.kernel
+@CachedKernel
 def attention_forward_kernel(
     Q,
     K,
@@ -468,7 +469,7 @@ def attention_forward_kernel(
     )  # fmt: skip
 
 
-@ct.kernel
+@CachedKernel
 def attention_forward_lse_kernel(
     Q,
     K,
@@ -503,7 +504,7 @@ def attention_forward_lse_kernel(
     )  # fmt: skip
 
 
-@ct.kernel
+@CachedKernel
 def attention_backward_preprocess_kernel(
     Out, dOut, Lse, Delta, LseBase2, block_m: ConstInt, block_d: ConstInt
 ):  # fmt: skip
@@ -638,7 +639,7 @@ def _causal_query_tiles(kv_tile, seqlen_q, seqlen_k, block_m: ConstInt, block_n:
     return masked_start, full_start, num_q_tiles
 
 
-@ct.kernel
+@CachedKernel
 def attention_backward_dkdv_kernel(
     Q,
     K,
@@ -809,7 +810,7 @@ def _dq_loop(
     return d_query
 
 
-@ct.kernel
+@CachedKernel
 def attention_backward_dq_kernel(
     Q,
     K,

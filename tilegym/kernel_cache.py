@@ -1,0 +1,147 @@
+"""Compiled kernels on disk, found before cuTile rebuilds their bytecode.
+
+cuTile keys its own disk cache by a kernel's bytecode, so a new process that finds its cubin
+there has already lowered the kernel's Python to bytecode (about 0.6 s per attention kernel)
+and started the compiler to learn its version. This cache is keyed by what decides that
+bytecode instead: the source files of the kernel's package, the signature cuTile specializes
+a launch on (dtypes, constants, alignment facts), the compiler hints, the GPU arch, the
+cuda-tile version, the compiler binary and the CUDA_TILE* environment. So a kernel must call
+only code of its own package and of cuda.tile.
+
+Entries live in <autotune.cache_dir()>/kernels, at most _MAX_ENTRIES of them (the least
+recently used go first). TILEGYM_KERNEL_CACHE=0 turns the cache off. Any failure to build a
+key, read or write falls back to cuTile's own path.
+"""
+
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+
+import cuda.tile as ct
+
+from tilegym import autotune
+
+logger = logging.getLogger("tilegym.kernel_cache")
+_MAX_ENTRIES = 256
+_SUFFIX = ".cubin"
+
+
+def enabled() -> bool:
+    return os.environ.get("TILEGYM_KERNEL_CACHE", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+class CachedKernel(ct.kernel):
+    """A cuda.tile kernel whose compiled code is looked up in this cache first."""
+
+    def _compile(self, signature, context, compute_capability=None):
+        path = _entry_path(self, signature, compute_capability) if enabled() else None
+        found = None if path is None else _read(path)
+        if found is not None:
+            symbol, cubin = found
+            return cubin, symbol, None, ()
+        compiled = super()._compile(signature, context, compute_capability)
+        cubin, symbol, _, library_providers = compiled
+        if path is not None and not library_providers:  # kernels that need a library set-up are not kept
+            _write(path, symbol, cubin)
+        return compiled
+
+    def replace_hints(self, **hints):
+        options = dataclasses.replace(self._compiler_options, **hints)
+        return CachedKernel(self._pyfunc, **dataclasses.asdict(options))
+
+
+def _entry_path(kernel: CachedKernel, signature, compute_capability) -> Path | None:
+    try:
+        from cuda.tile._cext import get_compute_capability
+
+        major, minor = compute_capability or get_compute_capability()
+        described = repr(signature)
+        if " at 0x" in described:  # an object's address: the key would differ in every process
+            return None
+        environment = sorted((name, value) for name, value in os.environ.items() if "CUDA_TILE" in name)
+        parts = (
+            ct.__version__,
+            _compiler_fingerprint(os.environ.get("PATH", ""), os.environ.get("CUDA_HOME", "")),
+            _package_digest(kernel._pyfunc.__module__),
+            kernel._pyfunc.__qualname__,
+            described,
+            repr(kernel._compiler_options),
+            f"sm_{major}{minor}",
+            repr(environment),
+        )
+    except Exception as error:  # a cuda-tile whose internals moved: use its own path
+        logger.debug("no kernel cache key: %s", error)
+        return None
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return autotune.cache_dir() / "kernels" / f"{digest}{_SUFFIX}"
+
+
+@cache
+def _compiler_fingerprint(search_path: str, cuda_home: str) -> str:
+    """Size and time of every tileiras cuTile may run: its pip package's, PATH's, CUDA_HOME's.
+
+    Found without importing cuTile's compiler module, whose import alone costs a warm first
+    call a few tenths of a second.
+    """
+    try:
+        package = importlib.util.find_spec("nvidia.cu13")
+        roots = list(package.submodule_search_locations or ()) if package else []
+    except ImportError:
+        roots = []
+    binaries = [os.path.join(root, "bin", "tileiras") for root in roots]
+    binaries += [shutil.which("tileiras", path=search_path) or "", os.path.join(cuda_home, "bin", "tileiras")]
+    found = []
+    for binary in binaries:
+        if os.path.isfile(binary):
+            stat = os.stat(binary)
+            found.append(f"{os.path.realpath(binary)}:{stat.st_size}:{stat.st_mtime_ns}")
+    if not found:
+        raise FileNotFoundError("no tileiras binary")
+    return ";".join(found)
+
+
+@cache
+def _package_digest(module_name: str) -> str:
+    folder = Path(sys.modules[module_name].__file__).parent
+    digest = hashlib.sha256()
+    for source in sorted(folder.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _read(path: Path) -> tuple[str, bytes] | None:
+    """(symbol, cubin) of an entry: the symbol's line, then the cubin."""
+    try:
+        data = path.read_bytes()
+        os.utime(path)  # recently used
+    except OSError:
+        return None
+    symbol, newline, cubin = data.partition(b"\n")
+    if not newline or not cubin:
+        return None
+    return symbol.decode(), cubin
+
+
+def _write(path: Path, symbol: str, cubin: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(symbol.encode() + b"\n" + cubin)
+        partial.replace(path)  # readers never see half an entry
+        _evict(path)
+    except OSError as error:
+        logger.debug("could not keep a compiled kernel in %s: %s", path.parent, error)
+
+
+def _evict(kept: Path) -> None:
+    """Removes the least recently used entries past _MAX_ENTRIES, never the one just written."""
+    others = [entry for entry in kept.parent.glob(f"*{_SUFFIX}") if entry != kept]
+    others.sort(key=lambda entry: entry.stat().st_mtime_ns)
+    for entry in others[: max(0, len(others) + 1 - _MAX_ENTRIES)]:
+        entry.unlink(missing_ok=True)
