@@ -41,7 +41,8 @@ def main():
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = tile_fmha_with_backward(q, k, v, is_causal=causal)
-        out.backward(d_out)
+        loss = (out * d_out).sum()  # a scalar loss, as in training: backward() takes no gradient
+        loss.backward()
         torch.cuda.synchronize()
         label = "first step (compile + autotune)" if step == 0 else f"step {step}"
         print(f"{label}: {time.perf_counter() - start:.3f} s")
