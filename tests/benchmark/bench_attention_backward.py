@@ -1,5 +1,6 @@
 """Attention for training: forward (with LSE), backward and forward + backward, in TFLOPS and
-GBps, against PyTorch SDPA pinned to each backend.
+GBps, against PyTorch SDPA pinned to each backend; first, the seconds of the first training
+step on a new shape in new processes, with empty and with warm caches (--no-first-call skips it).
 
     python tests/benchmark/bench_attention_backward.py --out docs/benchmarks/h100
     python tests/benchmark/bench_attention_backward.py --quick
@@ -13,4 +14,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.benchmark import bench_utils  # noqa: E402
 
 if __name__ == "__main__":
-    bench_utils.main(__doc__, ("fwd", "bwd", "fwd+bwd"), "attention_training", training_forward=True)
+    bench_utils.main(__doc__, ("fwd", "bwd", "fwd+bwd"), "attention_training", training_forward=True, first_call=True)

@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tests.benchmark import first_call as first_call_times
+
 TOKENS = 16384
 HIDDEN = 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -516,6 +518,7 @@ def parser(description: str, modes: tuple[str, ...]) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small subset: bf16, S in {1024, 4096}, no GQA")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for JSON and plots")
     p.add_argument("--replot", type=Path, help="only plot (and summarize) the results of an earlier JSON file")
+    p.add_argument("--no-first-call", action="store_true", help="leave out the first-step times (training only)")
     return p
 
 
@@ -523,7 +526,8 @@ def causal_options(choice: str) -> list[bool]:
     return {"both": [False, True], "true": [True], "false": [False]}[choice]
 
 
-def main(description: str, modes: tuple[str, ...], prefix: str, training_forward: bool) -> None:
+def main(description: str, modes: tuple[str, ...], prefix: str, training_forward: bool, first_call=False) -> None:
+    """first_call: also time the first training step in new processes (tests/benchmark/first_call.py)."""
     args = parser(description, modes).parse_args()
     if args.replot:
         results = load_json(args.replot)
@@ -531,8 +535,15 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
         print(table(results))
         print()
         print(markdown_summary(results))
+        meta = json.loads(Path(args.replot).read_text())["meta"]
+        if "first_call" in meta:
+            print(f"\n{first_call_times.summary(meta['first_call'])}")
         print(f"\n{len(plots)} plots in {args.out}")
         return
+    meta = _environment()
+    if first_call and not args.no_first_call:
+        meta["first_call"] = first_call_times.measure()
+        print(first_call_times.summary(meta["first_call"]))
     seqlens, dtypes, gqa = args.seqlens, args.dtypes, not args.no_gqa
     if args.quick:
         seqlens, dtypes, gqa = list(QUICK_SEQLENS), ["bfloat16"], False
@@ -542,7 +553,8 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
     elapsed = time.perf_counter() - started
     print()
     print(table(results))
-    meta = _environment()
+    if "first_call" in meta:
+        print(f"\n{first_call_times.summary(meta['first_call'])}")
     meta.update({"command": " ".join(_argv()), "wall_seconds": round(elapsed, 1)})
     save_json(results, args.out / f"{prefix}.json", meta)
     plots = plot(results, args.out, prefix)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.benchmark import bench_utils
+from tests.benchmark import bench_utils, first_call
 from tests.benchmark.bench_utils import Result, Shape
 from tilegym.ops.attention.reference import causal_mask
 
@@ -112,3 +112,10 @@ def test_option_cost_summary_divides_by_plain():
 
     text = bench_utils.option_cost_summary([result("", 2.0), result("softcap", 3.0)])
     assert "| softcap | 128, causal | 4096 | 3.00 (1.50x) |" in text
+
+
+def test_first_call_reads_the_first_step_of_train_step():
+    output = "first step (compile + autotune): 8.390 s\nstep 1: 0.003 s\nmax |out - fp64 reference|: 7e-03\n"
+    assert float(first_call._FIRST_STEP.search(output).group(1)) == 8.39
+    text = first_call.summary({"shape": first_call.SHAPE, "cold_s": 8.39, "warm_s": 0.207})
+    assert "8.4 s with empty caches" in text and "0.21 s with warm caches" in text
