@@ -3,7 +3,7 @@
 import math
 import struct
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -50,6 +50,7 @@ class AttentionProblem:
         )
 
 
+@lru_cache(maxsize=4096)
 def split_float(x: float) -> tuple[float, float]:
     """x as an fp32 pair (hi, lo) with hi + lo == x to about 48 bits, for fp64 kernels."""
     hi = _to_fp32(x)
@@ -151,14 +152,12 @@ def fold_batch_into_heads(*tensors: torch.Tensor, allowed: bool = True) -> tuple
     bias or ALiBi slopes are indexed by (batch, head).
     """
     batch = tensors[0].shape[0]
-    foldable = (
-        allowed
-        and batch > 1
-        and all(t.stride(0) == t.shape[1] * t.stride(1) and t.shape[0] * t.shape[1] <= _MAX_GRID_YZ for t in tensors)
-    )
-    if not foldable:
+    if not allowed or batch <= 1:
         return tensors
-    return tuple(t.view(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in tensors)
+    for t in tensors:  # contiguous (the outputs and row statistics we allocate) needs no stride check
+        if batch * t.shape[1] > _MAX_GRID_YZ or not (t.is_contiguous() or t.stride(0) == t.shape[1] * t.stride(1)):
+            return tensors
+    return tuple([t.view(1, batch * t.shape[1], *t.shape[2:]) for t in tensors])
 
 
 def _row_stat(problem: AttentionProblem, device) -> torch.Tensor:
@@ -174,14 +173,20 @@ def _device_facts(device_index: int) -> tuple[str, str, str]:
     return props.name, configs.arch_family((props.major, props.minor)), ct.__version__
 
 
+@lru_cache(maxsize=1024)
+def _launch_facts(problem: AttentionProblem, device_index: int) -> tuple[str, str, str, str]:
+    """(GPU name, arch family, cuda-tile version, shape key): once per problem and device."""
+    device_name, arch, cutile_version = _device_facts(device_index)
+    return device_name, arch, cutile_version, problem.shape_key(arch)
+
+
 class _Launcher:
     """Launches one attention kernel with the config chosen for the problem's shape."""
 
     def __init__(self, problem: AttentionProblem, device: torch.device):
         self.problem = problem
-        self.device_name, self.arch, cutile_version = _device_facts(device.index or 0)
+        self.device_name, self.arch, cutile_version, self.shape_key = _launch_facts(problem, device.index or 0)
         self.cache = autotune.tune_cache(self.device_name, cutile_version)
-        self.shape_key = problem.shape_key(self.arch)
         self.stream = torch.cuda.current_stream(device)
 
     def candidates(self, kernel_name: str):
@@ -202,10 +207,10 @@ def _sequence_tile_grid(rows: torch.Tensor, seqlen: int, block: str):
 class _ModArgs:
     """The score modifiers' kernel arguments: runtime values and compile-time switches."""
 
-    def __init__(self, problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor):
+    def __init__(self, problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor, device):
         mods = problem.mods
         self.bias = placeholder if tensors.bias is None else tensors.bias
-        self.slopes = _placeholder_slopes(placeholder.device) if tensors.slopes is None else tensors.slopes
+        self.slopes = _placeholder_slopes(device) if tensors.slopes is None else tensors.slopes
         cap = mods.softcap or 1.0
         # Unbounded window sides become a reach past either end of the sequences.
         reach = problem.seqlen_q + problem.seqlen_k
@@ -240,10 +245,11 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     from tilegym.ops.attention import kernels
 
     q, k, v = addressable(q), addressable(k), addressable(v)
+    device = q.device
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None and with_lse:
-        lse = _row_stat(problem, q.device)
+        lse = _row_stat(problem, device)
     if problem.is_empty:
         return out, lse
     if problem.seqlen_k == 0:  # no key to attend to: every row is empty
@@ -256,7 +262,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     q, softmax_scale = _positive_scale(q, problem)
     qk_scale_log2 = split_float(softmax_scale * LOG2E)
     group = problem.query_group_size
-    launcher = _Launcher(problem, q.device)
+    launcher = _Launcher(problem, device)
     if with_lse:
         name, kernel = configs.FORWARD_LSE, kernels.attention_forward_lse_kernel
         outputs = (out, lse)
@@ -266,7 +272,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
 
     allowed = not problem.mods.indexes_batch_and_head
     q, k, v, *outputs = fold_batch_into_heads(q, k, v, *outputs, allowed=allowed)
-    mods = _ModArgs(problem, mod_tensors, q)
+    mods = _ModArgs(problem, mod_tensors, q, device)
 
     def args(config):
         return (
@@ -287,7 +293,7 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     from tilegym.ops.attention import kernels
 
     if grads is None:
-        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        grads = tuple([torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)])
     dq, dk, dv = grads
     mods = problem.mods
     bias_grad = bias_grad and mods.bias_mode != BIAS_NONE
@@ -315,9 +321,10 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     scale = split_float(problem.softmax_scale)
     qk_scale_log2 = split_float(problem.softmax_scale * LOG2E)
     group = problem.query_group_size
-    launcher = _Launcher(problem, q.device)
+    device = q.device
+    launcher = _Launcher(problem, device)
 
-    delta, lse_base2 = _row_stat(problem, q.device), _row_stat(problem, q.device)
+    delta, lse_base2 = _row_stat(problem, device), _row_stat(problem, device)
     folded = fold_batch_into_heads(
         q, k, v, out, d_out, lse, delta, lse_base2, dq, dk, dv, allowed=not mods.indexes_batch_and_head
     )  # fmt: skip
@@ -329,7 +336,7 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         query_tiles,
         lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
     )
-    mod_args = _ModArgs(problem, mod_tensors, q)
+    mod_args = _ModArgs(problem, mod_tensors, q, device)
     bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
     def writing(gradients, extra_arrays=(), extra_switches=()):
