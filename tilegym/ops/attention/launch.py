@@ -329,13 +329,6 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         q, k, v, out, d_out, lse, delta, lse_base2, dq, dk, dv, allowed=not mods.indexes_batch_and_head
     )  # fmt: skip
     q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_ = folded
-    query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
-    launcher.launch(
-        configs.BACKWARD_PREPROCESS,
-        kernels.attention_backward_preprocess_kernel,
-        query_tiles,
-        lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
-    )
     mod_args = _ModArgs(problem, mod_tensors, q, device)
     bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
@@ -346,10 +339,20 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         switches = (mod_args.kernel_causal, *mod_args.switches, *extra_switches)
         return lambda config: (*inputs, *gradients, *middle, config.block_m, config.block_n, head_tile, *switches)
 
+    query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
     key_tiles = _sequence_tile_grid(k, problem.seqlen_k, "block_n")
     dkdv_args = writing((dk_, dv_), (q if d_bias is None else d_bias,), (bias_grad_mode,))
+    dq_args = writing((dq_,))
+    # Everything is prepared before the first launch: the preprocess is short, and host work
+    # between launches would leave the GPU idle after it.
+    launcher.launch(
+        configs.BACKWARD_PREPROCESS,
+        kernels.attention_backward_preprocess_kernel,
+        query_tiles,
+        lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
+    )
     launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
-    launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, writing((dq_,)))
+    launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, dq_args)
     return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)
 
 
