@@ -158,6 +158,9 @@ class TunedKernel:
     kernel: object  # a cuda.tile kernel
     grid: Callable[[TileConfig], tuple[int, ...]]
     args: Callable[[TileConfig], tuple]
+    # For a kernel that accumulates into its outputs: called right before the launch that
+    # counts, after any tuning runs, to set them back to their starting values.
+    reset: Callable[[], None] | None = None
 
 
 _hinted: dict[tuple, object] = {}
@@ -265,5 +268,7 @@ def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_ke
         config = choose_config(launch, candidates, shape_key, cache, stream)
         chosen = _chosen[memo_key] = (config, with_hints(launch.kernel, config))
     config, kernel = chosen
+    if launch.reset is not None:
+        launch.reset()
     ct.launch(stream, launch.grid(config), kernel, launch.args(config))
     return config

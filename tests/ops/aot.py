@@ -21,6 +21,7 @@ KERNELS = {
     configs.BACKWARD_PREPROCESS: kernels.attention_backward_preprocess_kernel,
     configs.BACKWARD_DKDV: kernels.attention_backward_dkdv_kernel,
     configs.BACKWARD_DQ: kernels.attention_backward_dq_kernel,
+    configs.BACKWARD_FUSED: kernels.attention_backward_dkdv_kernel,  # with sum_dq on
 }
 _ROW_STATS = ("Lse", "Delta", "LseBase2")
 
@@ -41,7 +42,7 @@ def _array(dtype, ndim: int) -> ArrayConstraint:
 
 
 # The score modifiers' switches, all off: plain attention.
-PLAIN = {"windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0}
+PLAIN = {"windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0, "sum_dq": False}
 
 
 def signature(
@@ -59,6 +60,7 @@ def signature(
         "block_d": configs.head_dim_tile(head_dim),
         "causal": causal,
         **PLAIN,
+        "sum_dq": kernel_name == configs.BACKWARD_FUSED,
         **(switches or {}),
     }
     params = []
@@ -69,7 +71,7 @@ def signature(
             params.append(ScalarConstraint(ct.float32))
         elif param.annotation is int:
             params.append(ScalarConstraint(ct.int32))
-        elif name in _ROW_STATS or name == "DBias":
+        elif name in _ROW_STATS or name == "DBias" or (name == "DQSum" and constants["sum_dq"]):
             params.append(_array(stat_dtype, 3 if name in _ROW_STATS else 4))
         elif name == "Slopes":
             params.append(_array(ct.float32, 2))

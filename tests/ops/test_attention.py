@@ -133,6 +133,24 @@ def test_op_attention_head_dims(case, dtype, causal):
     check_forward_and_backward(case, dtype, causal)
 
 
+# Every D=64 case (the head dim with a fused table), with the fused backward forced.
+FUSED_CASES = [c for c in REGULAR + IRREGULAR + CORNERS + SEQLEN_MISMATCH + GQA + HEAD_DIMS if c.head_dim == 64]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+def test_op_attention_fused_backward(case, dtype, causal, monkeypatch):
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    check_forward_and_backward(case, dtype, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_op_attention_fused_backward_chosen_for_long_sequences(causal):
+    """At the length where "auto" picks the fused backward; odd, so the last tiles are partial."""
+    check_forward_and_backward(Case("fused-auto", 1, 2, 1, 4099, 4099, 64), torch.bfloat16, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_op_attention_wide_dtypes(dtype, causal):

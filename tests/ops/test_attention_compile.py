@@ -49,6 +49,23 @@ def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tm
     assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "head_dim, config",
+    [(d, c) for d in configs.HEAD_DIMS for c in configs.candidates(configs.BACKWARD_FUSED, "sm_90", d, 2)],
+)
+def test_op_attention_fused_backward_compiles(head_dim, config, causal, tmp_path):
+    """The fused dK/dV kernel sums dQ with TMA reductions, on warpgroup MMA, without spills."""
+    cubin = aot.compile_cubin(
+        configs.BACKWARD_FUSED, ct.bfloat16, head_dim, config, causal, "sm_90", tmp_path / "k.cubin"
+    )
+    text = aot.sass(cubin)
+    assert aot.count_instructions(text, "HGMMA") > 0
+    assert aot.count_instructions(text, "UTMAREDG") > 0, "dQ is not summed by TMA reductions"
+    assert aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL") == 0
+    assert aot.count_instructions(text, "REDG") == 0, "dQ is summed one element at a time"
+
+
 @pytest.mark.parametrize("kernel, head_dim, causal", plain_sass.VARIANTS, ids=lambda v: str(v))
 def test_op_attention_plain_sass_unchanged_by_score_modifiers(kernel, head_dim, causal, tmp_path):
     """With every modifier switched off, the kernels compile to the stored plain code."""

@@ -370,8 +370,13 @@ class _RecordingLauncher:
         self.arch = "sm_90"
         self.problem = problem
 
-    def launch(self, name, kernel, grid, args):
-        config = configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)[0]
+    def candidates(self, name):
+        return configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)
+
+    def launch(self, name, kernel, grid, args, reset=None):
+        if reset is not None:
+            reset()
+        config = self.candidates(name)[0]
         self.launches.append((name, kernel, grid(config), args(config), config))
 
 
@@ -405,3 +410,56 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
         assert values.get("causal", True) is True and values.get("query_group_size", 2) == 2
         heads = 2 if name == configs.BACKWARD_DKDV else 4
         assert grid[1:] == ((batch * heads, 1) if batch > 1 else (heads, 1)), name
+
+
+# ---- fused backward ---------------------------------------------------------------------------
+
+
+def _recorded_backward(monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, **problem_options):
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    _RecordingLauncher.launches = []
+    q, k, v = _cpu_inputs(q_shape=(batch, q_heads, seqlen, head_dim), kv_shape=(batch, 2, seqlen, head_dim))
+    problem = launch.AttentionProblem(batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, True)
+    out, lse = torch.randn_like(q), torch.randn(batch, q_heads, seqlen)
+    grads = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem)
+    return [name for name, *_ in _RecordingLauncher.launches], _RecordingLauncher.launches, grads
+
+
+def test_op_fused_backward_arguments(monkeypatch):
+    """Fused: preprocess then the dK/dV kernel with sum_dq on and an fp32 DQSum of whole tiles."""
+    import inspect
+
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    names, launches, (dq, _, _, _) = _recorded_backward(monkeypatch)
+    assert names == [configs.BACKWARD_PREPROCESS, configs.BACKWARD_FUSED]
+    _, kernel, grid, args, config = launches[1]
+    values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
+    assert values["sum_dq"] is True and values["DQSum"].dtype == torch.float32
+    padded = max(c.block_m for c in configs.candidates(configs.BACKWARD_FUSED, "sm_90", 64, 2))
+    assert values["DQSum"].shape == (1, 3 * 4, padded, 64)  # batch folded into heads
+    assert torch.equal(dq, torch.zeros_like(dq))  # the recorder runs no kernel: dQ is the zeroed sum
+    assert grid == (1, 3 * 2, 1)
+
+
+@pytest.mark.parametrize(
+    "choice, seqlen, head_dim, deterministic, fused",
+    [
+        ("auto", 40, 64, False, False),  # short: two kernels win
+        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 64, False, True),
+        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 128, False, False),  # no D=128 table
+        ("fused", 40, 64, True, False),  # deterministic algorithms always get two kernels
+        ("two-kernel", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 64, False, False),
+    ],
+)
+def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, deterministic, fused):
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    names, _, _ = _recorded_backward(monkeypatch, seqlen=seqlen, head_dim=head_dim, q_heads=2, batch=1)
+    assert (configs.BACKWARD_FUSED in names) == fused
+    assert (configs.BACKWARD_DQ in names) == (not fused)
+
+
+def test_op_backward_choice_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fast")
+    with pytest.raises(ValueError, match="TILEGYM_BACKWARD"):
+        launch.backward_choice()

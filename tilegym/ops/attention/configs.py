@@ -18,6 +18,9 @@ FORWARD_LSE = "attention_forward_lse"
 BACKWARD_PREPROCESS = "attention_backward_preprocess"
 BACKWARD_DKDV = "attention_backward_dkdv"
 BACKWARD_DQ = "attention_backward_dq"
+# The dK/dV kernel that also sums dQ (the fused backward); not in KERNELS: it has tables only
+# where it was measured to win, and launch.py falls back to the two-kernel backward elsewhere.
+BACKWARD_FUSED = "attention_backward_fused"
 
 KERNELS = (FORWARD, FORWARD_LSE, BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ)
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
@@ -61,6 +64,11 @@ _SM90_DQ = {
     128: [_c(128, 64, num_worker_warps=8), _c(64, 64, occupancy=2)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
+# The fused backward (dK/dV kernel summing dQ by TMA reductions) beat the two-kernel one at
+# D=64 from S=4096 on (+1-10%), lost at S=1024, and at D=128 ranged from -7% to +3%
+# (perf-notes section 18): a D=64 table only, used from FUSED_BACKWARD_MIN_SEQLEN_K keys on.
+_SM90_FUSED = {64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)]}
+FUSED_BACKWARD_MIN_SEQLEN_K = 4096
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
 _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}
@@ -119,6 +127,7 @@ TABLES = {
         BACKWARD_PREPROCESS: _PREPROCESS,
         BACKWARD_DKDV: _SM80_BACKWARD,
         BACKWARD_DQ: _SM80_BACKWARD,
+        BACKWARD_FUSED: {},
     },
     "sm_90": {
         FORWARD: _SM90_FORWARD,
@@ -126,6 +135,7 @@ TABLES = {
         BACKWARD_PREPROCESS: _PREPROCESS,
         BACKWARD_DKDV: _SM90_DKDV,
         BACKWARD_DQ: _SM90_DQ,
+        BACKWARD_FUSED: _SM90_FUSED,
     },
     "sm_100": {
         FORWARD: _SM100_FORWARD,
@@ -133,6 +143,7 @@ TABLES = {
         BACKWARD_PREPROCESS: _PREPROCESS,
         BACKWARD_DKDV: _SM100_BACKWARD,
         BACKWARD_DQ: _SM100_BACKWARD,
+        BACKWARD_FUSED: {},
     },
     "sm_120": {
         FORWARD: _SM80_FORWARD,
@@ -140,6 +151,7 @@ TABLES = {
         BACKWARD_PREPROCESS: _PREPROCESS,
         BACKWARD_DKDV: _SM80_BACKWARD,
         BACKWARD_DQ: _SM80_BACKWARD,
+        BACKWARD_FUSED: {},
     },
 }
 WIDE_TABLE = {
@@ -148,6 +160,7 @@ WIDE_TABLE = {
     BACKWARD_PREPROCESS: _WIDE_PREPROCESS,
     BACKWARD_DKDV: _WIDE_BACKWARD,
     BACKWARD_DQ: _WIDE_BACKWARD,
+    BACKWARD_FUSED: {},
 }
 
 
@@ -188,7 +201,7 @@ def candidates(
         table = MODIFIED_TABLES[arch, kernel]
     else:
         table = TABLES[arch][kernel]
-    choices = table[head_dim_tile(head_dim)]
+    choices = table.get(head_dim_tile(head_dim), ())  # empty only for BACKWARD_FUSED
     if modified:
         choices = [config for config in choices if (config.num_ctas or 1) == 1]
     return tuple(choices)

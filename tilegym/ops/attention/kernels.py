@@ -537,6 +537,8 @@ def _dkdv_step(
     LseBase2,
     Delta,
     DBias,
+    DQSum,
+    dq_scale,
     b,
     q_head,
     q_tile,
@@ -556,11 +558,13 @@ def _dkdv_step(
     causal: ConstBool,
     masked: ConstBool,
     bias_grad: ConstInt,
+    sum_dq: ConstBool,
 ):
     """Adds one query tile's contribution to a key tile's dK and dV (in key-major form).
 
     With bias_grad, also writes the tile's dBias (BIAS_PER_ROW) or adds its column sums to
-    d_bias_row (BIAS_ONE_ROW).
+    d_bias_row (BIAS_ONE_ROW). With sum_dq, also adds this key tile's share of dQ (scaled)
+    into the fp32 DQSum, a whole tile at a time (a TMA reduction on sm_90).
     """
     acc_dtype = _accumulator_dtype(k.dtype)
     q = _load_rows(Q, b, q_head, q_tile, block_m, block_d)
@@ -591,8 +595,12 @@ def _dkdv_step(
     elif bias_grad == BIAS_ONE_ROW:
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)
     _, capped, _, _ = switches
-    d_scores_t = _pre_cap_gradient(d_scores_t, capped_tanh_t, capped)
-    d_key = ct.mma(d_scores_t.astype(q.dtype), q, d_key)
+    d_scores_t = _pre_cap_gradient(d_scores_t, capped_tanh_t, capped).astype(q.dtype)
+    d_key = ct.mma(d_scores_t, q, d_key)
+    if sum_dq:
+        d_query = ct.mma(ct.transpose(d_scores_t), k, ct.zeros((block_m, block_d), acc_dtype)) * dq_scale
+        view = DQSum.tiled_view((1, 1, block_m, block_d))
+        view.atomic_store_add((b, q_head, q_tile, 0), d_query.reshape((1, 1, block_m, block_d)))
     return d_key, d_value, d_bias_row
 
 
@@ -608,15 +616,17 @@ def _dkdv_loop(
     causal: ConstBool,
     masked: ConstBool,
     bias_grad: ConstInt,
+    sum_dq: ConstBool,
 ):
     """state (d_key, d_value, d_bias_row) plus the contributions of query tiles [first, last)."""
     d_key, d_value, d_bias_row = state
-    (k, v, Q, dOut, LseBase2, Delta, DBias, b, q_head, kv_tile, cols,
+    (k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, dq_scale, b, q_head, kv_tile, cols,
      qk_scale_log2, seqlen_q, seqlen_k, mods, switches) = tile  # fmt: skip
     for q_tile in range(first, last):
         d_key, d_value, d_bias_row = _dkdv_step(
-            k, v, Q, dOut, LseBase2, Delta, DBias, b, q_head, q_tile, kv_tile, d_key, d_value, d_bias_row, cols,
-            qk_scale_log2, seqlen_q, seqlen_k, mods, switches, block_m, block_n, block_d, causal, masked, bias_grad,
+            k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, dq_scale, b, q_head, q_tile, kv_tile, d_key, d_value,
+            d_bias_row, cols, qk_scale_log2, seqlen_q, seqlen_k, mods, switches, block_m, block_n, block_d, causal,
+            masked, bias_grad, sum_dq,
         )  # fmt: skip
     return d_key, d_value, d_bias_row
 
@@ -649,6 +659,7 @@ def attention_backward_dkdv_kernel(
     Delta,
     dK,
     dV,
+    DQSum,
     softmax_scale: float,
     softmax_scale_lo: float,
     qk_scale_log2: float,
@@ -672,12 +683,17 @@ def attention_backward_dkdv_kernel(
     bias_mode: ConstInt,
     alibi: ConstBool,
     bias_grad: ConstInt,
+    sum_dq: ConstBool,
 ):
     """dK and dV (and dBias, with bias_grad) of one key tile of one KV head.
 
     Loops over every query head of the GQA group and every query tile that sees the key
     tile, so the group's sum happens in registers: no atomics, deterministic.
     dBias goes to a [B, Hq, 1 or Sq, Sk] buffer that the host sums over broadcast dims.
+    With sum_dq (the fused backward), the kernel also adds each key tile's share of dQ
+    into DQSum ([B, Hq, Sq padded to block_m, D] fp32, zeroed), which makes the dQ kernel
+    unnecessary: 5 matmul-equivalents instead of 7, but the order of dQ's sums varies from
+    run to run. Without it, DQSum is an unused placeholder.
     """
     kv_tile = ct.bid(0)
     kv_head = ct.bid(1)
@@ -711,6 +727,8 @@ def attention_backward_dkdv_kernel(
             LseBase2,
             Delta,
             DBias,
+            DQSum,
+            softmax_scale,
             b,
             q_head,
             kv_tile,
@@ -721,21 +739,18 @@ def attention_backward_dkdv_kernel(
             mods,
             switches,
         )
+        sizes = (block_m, block_n, block_d, causal)
         if windowed:
             start, full_start, full_end, end = _window_query_tiles(kv_tile, seqlen_q, seqlen_k, mods, block_m, block_n)
-            state = _dkdv_loop(start, full_start, state, tile, block_m, block_n, block_d, causal, True, bias_grad)
-            state = _dkdv_loop(full_start, full_end, state, tile, block_m, block_n, block_d, causal, False, bias_grad)
-            state = _dkdv_loop(full_end, end, state, tile, block_m, block_n, block_d, causal, True, bias_grad)
+            state = _dkdv_loop(start, full_start, state, tile, *sizes, True, bias_grad, sum_dq)
+            state = _dkdv_loop(full_start, full_end, state, tile, *sizes, False, bias_grad, sum_dq)
+            state = _dkdv_loop(full_end, end, state, tile, *sizes, True, bias_grad, sum_dq)
         else:
             masked_start, full_start, num_q_tiles = _causal_query_tiles(
                 kv_tile, seqlen_q, seqlen_k, block_m, block_n, causal
             )
-            state = _dkdv_loop(
-                masked_start, full_start, state, tile, block_m, block_n, block_d, causal, True, bias_grad
-            )
-            state = _dkdv_loop(
-                full_start, num_q_tiles, state, tile, block_m, block_n, block_d, causal, False, bias_grad
-            )
+            state = _dkdv_loop(masked_start, full_start, state, tile, *sizes, True, bias_grad, sum_dq)
+            state = _dkdv_loop(full_start, num_q_tiles, state, tile, *sizes, False, bias_grad, sum_dq)
         d_key, d_value, d_bias_row = state
         if bias_grad == BIAS_ONE_ROW:
             d_bias = d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)

@@ -1,6 +1,7 @@
 """Host side of attention: argument checks, output allocation, grids and tuned launches."""
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -194,8 +195,8 @@ class _Launcher:
         modified = problem.mods != PLAIN
         return configs.candidates(kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, modified)
 
-    def launch(self, name: str, kernel, grid, args) -> None:
-        launch = autotune.TunedKernel(name, kernel, grid, args)
+    def launch(self, name: str, kernel, grid, args, reset=None) -> None:
+        launch = autotune.TunedKernel(name, kernel, grid, args, reset)
         autotune.launch_tuned(launch, self.candidates(name), self.shape_key, self.cache, self.stream)
 
 
@@ -325,10 +326,13 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     launcher = _Launcher(problem, device)
 
     delta, lse_base2 = _row_stat(problem, device), _row_stat(problem, device)
+    fused = _fused_backward(problem, launcher, bias_grad)
+    # The fused backward sums dQ in fp32, over query rows padded to whole tiles of every candidate.
+    dq_sum = torch.empty(_dq_sum_shape(problem, launcher), dtype=torch.float32, device=device) if fused else dq
     folded = fold_batch_into_heads(
-        q, k, v, out, d_out, lse, delta, lse_base2, dq, dk, dv, allowed=not mods.indexes_batch_and_head
+        q, k, v, out, d_out, lse, delta, lse_base2, dq, dk, dv, dq_sum, allowed=not mods.indexes_batch_and_head
     )  # fmt: skip
-    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_ = folded
+    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_, dq_sum_ = folded
     mod_args = _ModArgs(problem, mod_tensors, q, device)
     bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
@@ -341,7 +345,9 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
 
     query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
     key_tiles = _sequence_tile_grid(k, problem.seqlen_k, "block_n")
-    dkdv_args = writing((dk_, dv_), (q if d_bias is None else d_bias,), (bias_grad_mode,))
+    # Without fusion the dK/dV kernel's DQSum is an unused placeholder.
+    dkdv_gradients = (dk_, dv_, dq_sum_ if fused else q)
+    dkdv_args = writing(dkdv_gradients, (q if d_bias is None else d_bias,), (bias_grad_mode, fused))
     dq_args = writing((dq_,))
     # Everything is prepared before the first launch: the preprocess is short, and host work
     # between launches would leave the GPU idle after it.
@@ -351,9 +357,47 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         query_tiles,
         lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
     )
-    launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
-    launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, dq_args)
+    if fused:
+        launcher.launch(
+            configs.BACKWARD_FUSED, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, reset=dq_sum.zero_
+        )
+        dq.copy_(dq_sum[:, :, : problem.seqlen_q, : problem.head_dim])
+    else:
+        launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
+        launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, dq_args)
     return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)
+
+
+_BACKWARD_CHOICES = ("auto", "fused", "two-kernel")
+
+
+def backward_choice() -> str:
+    """TILEGYM_BACKWARD: auto (default), fused or two-kernel; anything else is a ValueError."""
+    value = os.environ.get("TILEGYM_BACKWARD", "").strip().lower() or "auto"
+    if value not in _BACKWARD_CHOICES:
+        raise ValueError(f"TILEGYM_BACKWARD={value!r} is not understood: use one of {_BACKWARD_CHOICES}")
+    return value
+
+
+def _fused_backward(problem: AttentionProblem, launcher: "_Launcher", bias_grad: bool) -> bool:
+    """Whether the backward runs fused (dQ summed by the dK/dV kernel) rather than in two kernels.
+
+    Fused only for plain attention where the arch has a fused table, never under
+    torch.use_deterministic_algorithms (the order of dQ's fp32 sums varies between runs);
+    "auto" also needs enough keys for it to win (configs.FUSED_BACKWARD_MIN_SEQLEN_K).
+    """
+    choice = backward_choice()
+    if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
+        return False
+    if problem.mods != PLAIN or bias_grad or not launcher.candidates(configs.BACKWARD_FUSED):
+        return False
+    return choice == "fused" or problem.seqlen_k >= configs.FUSED_BACKWARD_MIN_SEQLEN_K
+
+
+def _dq_sum_shape(problem: AttentionProblem, launcher: "_Launcher") -> tuple[int, int, int, int]:
+    rows = max(config.block_m for config in launcher.candidates(configs.BACKWARD_FUSED))
+    padded = math.ceil(problem.seqlen_q / rows) * rows
+    return problem.batch, problem.q_heads, padded, configs.head_dim_tile(problem.head_dim)
 
 
 def _caller_bias_grad(d_bias, mods: ScoreMods, mod_tensors: ModTensors):
