@@ -8,7 +8,9 @@ dQ one element at a time, and those atomics, not the matmuls, set the time.
     python tests/benchmark/experiment_fused_backward.py 64,128,8 64,64,0,2
 
 Each argument is a config block_m,block_n[,num_worker_warps[,occupancy]] (block_n keys per
-program, block_m query rows per step).
+program, block_m query rows per step), followed by flags: "s" for a staggered query order,
+"t" for dQ summed tile-wide (a tiled view's atomic_store_add, a TMA reduction on sm_90)
+instead of one atomic per element.
 """
 
 import math
@@ -40,6 +42,7 @@ LOG2E = 1.4426950408889634
 def _fused_step(
     k, v, Q, dOut, LseBase2, Delta, DQsum, b, h, q_tile, d_key, d_value, cols, qk_scale_log2, seqlen_q, seqlen_k,
     block_m: ConstInt, block_n: ConstInt, block_d: ConstInt, causal: ConstBool, masked: ConstBool,
+    tiled_sum: ConstBool,
 ):  # fmt: skip
     q = _load_rows(Q, b, h, q_tile, block_m, block_d)
     d_out = _load_rows(dOut, b, h, q_tile, block_m, block_d)
@@ -58,18 +61,29 @@ def _fused_step(
     d_key = ct.mma(d_scores_t, q, d_key)
     # This key tile's share of dQ, added to a tile-padded fp32 sum: no bounds checks needed.
     d_query = ct.mma(ct.transpose(d_scores_t), k, ct.zeros((block_m, block_d), ct.float32))
-    query_rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
-    dims = ct.arange(block_d, dtype=ct.int32)[None, :]
-    ct.atomic_add(DQsum, (b, h, query_rows, dims), d_query, check_bounds=False, memory_order=ct.MemoryOrder.RELAXED)
+    if tiled_sum:
+        # A tile-wide reduction into the tiled view (one bulk operation per tile where the
+        # hardware has one), instead of one atomic per element.
+        view = DQsum.tiled_view((1, 1, block_m, block_d))
+        view.atomic_store_add((b, h, q_tile, 0), d_query.reshape((1, 1, block_m, block_d)))
+    else:
+        query_rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
+        dims = ct.arange(block_d, dtype=ct.int32)[None, :]
+        ct.atomic_add(DQsum, (b, h, query_rows, dims), d_query, check_bounds=False, memory_order=ct.MemoryOrder.RELAXED)
     return d_key, d_value
 
 
 @ct.kernel
 def fused_backward_kernel(
     Q, K, V, dOut, LseBase2, Delta, dK, dV, DQsum, softmax_scale: float, qk_scale_log2: float,
-    block_m: ConstInt, block_n: ConstInt, block_d: ConstInt, causal: ConstBool,
+    block_m: ConstInt, block_n: ConstInt, block_d: ConstInt, causal: ConstBool, staggered: ConstBool,
+    tiled_sum: ConstBool,
 ):  # fmt: skip
-    """dK, dV of one key tile, and its contributions to dQ; grid (key tiles, heads, batch)."""
+    """dK, dV of one key tile, and its contributions to dQ; grid (key tiles, heads, batch).
+
+    staggered: each key tile starts its unmasked query tiles at a different one (rotated by its
+    index), so programs running side by side add into different dQ rows.
+    """
     kv_tile = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
@@ -85,18 +99,25 @@ def fused_backward_kernel(
     for q_tile in range(masked_start, full_start):
         d_key, d_value = _fused_step(
             *tile, q_tile, d_key, d_value, cols, qk_scale_log2, seqlen_q, seqlen_k,
-            block_m, block_n, block_d, causal, True,
+            block_m, block_n, block_d, causal, True, tiled_sum,
         )  # fmt: skip
-    for q_tile in range(full_start, num_q_tiles):
+    num_full = num_q_tiles - full_start
+    for step in range(num_full):
+        if staggered:
+            q_tile = full_start + (step + kv_tile) % num_full
+        else:
+            q_tile = full_start + step
         d_key, d_value = _fused_step(
             *tile, q_tile, d_key, d_value, cols, qk_scale_log2, seqlen_q, seqlen_k,
-            block_m, block_n, block_d, causal, False,
+            block_m, block_n, block_d, causal, False, tiled_sum,
         )  # fmt: skip
     _store_rows(dK, b, h, kv_tile, d_key * softmax_scale, block_n, block_d)
     _store_rows(dV, b, h, kv_tile, d_value, block_n, block_d)
 
 
-def fused_backward(d_out, q, k, v, out, lse, causal: bool, config: TileConfig):
+def fused_backward(
+    d_out, q, k, v, out, lse, causal: bool, config: TileConfig, staggered: bool = False, tiled_sum: bool = False
+):
     """(dq, dk, dv): preprocess, the fused kernel, then dQ scaled and cast from its fp32 sum."""
     batch, heads, seqlen, head_dim = q.shape
     stream = torch.cuda.current_stream()
@@ -114,15 +135,21 @@ def fused_backward(d_out, q, k, v, out, lse, causal: bool, config: TileConfig):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     scale = 1 / math.sqrt(head_dim)
     args = (q, k, v, d_out, lse_base2, delta, dk, dv, dq_sum, scale, scale * LOG2E)
-    args += (config.block_m, config.block_n, head_dim, causal)
+    args += (config.block_m, config.block_n, head_dim, causal, staggered, tiled_sum)
     kernel = autotune.with_hints(fused_backward_kernel, config)
     ct.launch(stream, (math.ceil(seqlen / config.block_n), heads, batch), kernel, args)
     return dq_sum[:, :, :seqlen].mul(scale).to(q.dtype), dk, dv
 
 
-def _config(spec: str) -> TileConfig:
-    block_m, block_n, warps, occupancy = ([int(x) for x in spec.split(",")] + [0, 0])[:4]
-    return TileConfig(block_m, block_n, num_worker_warps=warps or None, occupancy=occupancy or None)
+def _config(spec: str) -> tuple[TileConfig, bool, bool]:
+    """(config, staggered, tiled_sum) of "block_m,block_n[,warps[,occupancy]]" followed by
+    flags: "s" staggered query order, "t" dQ summed tile-wide through a tiled view."""
+    flags = spec[len(spec.rstrip("st")) :]
+    staggered, tiled_sum = "s" in flags, "t" in flags
+    numbers = [int(x) for x in spec.rstrip("st").strip(",").split(",")]
+    block_m, block_n, warps, occupancy = (numbers + [0, 0])[:4]
+    config = TileConfig(block_m, block_n, num_worker_warps=warps or None, occupancy=occupancy or None)
+    return config, staggered, tiled_sum
 
 
 def _median_ms(fn, *args) -> float:
@@ -150,13 +177,13 @@ def compare(head_dim: int, seqlen: int, causal: bool, specs) -> str:
     expected = launch.backward(*arrays, problem)[:3]
     cells = [f"two-kernel {tflops / _median_ms(launch.backward, *arrays, problem):.0f}"]
     for spec in specs:
-        config = _config(spec)
-        got = fused_backward(*arrays, causal, config)
+        config, staggered, tiled_sum = _config(spec)
+        got = fused_backward(*arrays, causal, config, staggered, tiled_sum)
         diff = max(
             ((g.float() - e.float()).abs().max() / e.float().abs().max()).item()
             for g, e in zip(got, expected, strict=True)
         )
-        ms = _median_ms(fused_backward, *arrays, causal, config)
+        ms = _median_ms(fused_backward, *arrays, causal, config, staggered, tiled_sum)
         cells.append(f"fused {spec} {tflops / ms:.0f} (rel diff {diff:.0e})")
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
