@@ -1,11 +1,12 @@
 """Experiment: a fused one-pass backward (dK, dV and dQ from one kernel, dQ summed by fp32
 atomics) against our two-kernel backward and SDPA's cuDNN backend. Plain attention only.
 
-Kept to reproduce docs/perf-notes.md section 10, where the fused design lost (0.55-0.7x of
-the two-kernel backward): every (query tile, key tile) pair adds block_m x D fp32 values to
-dQ one element at a time, and those atomics, not the matmuls, set the time.
+Kept to reproduce docs/perf-notes.md sections 10 and 18: adding block_m x D fp32 values to dQ
+one element at a time per (query tile, key tile) pair lost (0.55-0.7x of the two-kernel
+backward); a tile-wide sum through a tiled view (a TMA reduction, flag "t") reached parity
+and more, and is what the library's fused backward (the dK/dV kernel with sum_dq) does.
 
-    python tests/benchmark/experiment_fused_backward.py 64,128,8 64,64,0,2
+    python tests/benchmark/experiment_fused_backward.py 64,128,8 64,128,8t 64,128,8st 128,128,8t
 
 Each argument is a config block_m,block_n[,num_worker_warps[,occupancy]] (block_n keys per
 program, block_m query rows per step), followed by flags: "s" for a staggered query order,
