@@ -535,15 +535,12 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
         print(table(results))
         print()
         print(markdown_summary(results))
-        meta = json.loads(Path(args.replot).read_text())["meta"]
-        if "first_call" in meta:
-            print(f"\n{first_call_times.summary(meta['first_call'])}")
+        _print_first_call(json.loads(Path(args.replot).read_text())["meta"])
         print(f"\n{len(plots)} plots in {args.out}")
         return
     meta = _environment()
     if first_call and not args.no_first_call:
         meta["first_call"] = first_call_times.measure()
-        print(first_call_times.summary(meta["first_call"]))
     seqlens, dtypes, gqa = args.seqlens, args.dtypes, not args.no_gqa
     if args.quick:
         seqlens, dtypes, gqa = list(QUICK_SEQLENS), ["bfloat16"], False
@@ -553,12 +550,16 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
     elapsed = time.perf_counter() - started
     print()
     print(table(results))
-    if "first_call" in meta:
-        print(f"\n{first_call_times.summary(meta['first_call'])}")
+    _print_first_call(meta)
     meta.update({"command": " ".join(_argv()), "wall_seconds": round(elapsed, 1)})
     save_json(results, args.out / f"{prefix}.json", meta)
     plots = plot(results, args.out, prefix)
     print(f"\n{len(results)} measurements in {elapsed:.0f} s; {len(plots)} plots and {prefix}.json in {args.out}")
+
+
+def _print_first_call(meta: dict) -> None:
+    if "first_call" in meta:
+        print(f"\n{first_call_times.summary(meta['first_call'])}")
 
 
 def _argv() -> list[str]:

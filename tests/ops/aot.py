@@ -42,7 +42,7 @@ def _array(dtype, ndim: int) -> ArrayConstraint:
 
 
 # The score modifiers' switches, all off: plain attention.
-PLAIN = {"windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0, "sum_dq": False}
+PLAIN = {"windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0}
 
 
 def signature(
@@ -60,7 +60,7 @@ def signature(
         "block_d": configs.head_dim_tile(head_dim),
         "causal": causal,
         **PLAIN,
-        "sum_dq": kernel_name == configs.BACKWARD_FUSED,
+        "sum_dq": kernel_name == configs.BACKWARD_FUSED,  # the dK/dV kernel, fused with dQ
         **(switches or {}),
     }
     params = []

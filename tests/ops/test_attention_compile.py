@@ -2,9 +2,9 @@
 
 For each kernel: every config of its sm_90 and sm_100 tables at head dims 64 and 128, and the
 first config at the other head dims, causal and not, in bf16 (fp16 and the fp32/fp64 configs
-at one head dim). On sm_90 the matrix kernels must use warpgroup MMA (HGMMA) and must not
-spill registers to local memory (LDL/STL): a spill or a fall-back to HMMA is a slowdown that
-CPU CI can catch.
+at one head dim); and the fused backward's sm_90 configs, which must sum dQ by TMA reductions.
+On sm_90 the matrix kernels must use warpgroup MMA (HGMMA) and must not spill registers to
+local memory (LDL/STL): a spill or a fall-back to HMMA is a slowdown that CPU CI can catch.
 """
 
 import cuda.tile as ct
@@ -29,6 +29,12 @@ def _compile_matrix():
                             arch, kernel, ct.bfloat16, head_dim, config, causal,
                             id=f"{arch}-{kernel}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
                         )  # fmt: skip
+    for config_index, config in enumerate(configs.candidates(configs.BACKWARD_FUSED, "sm_90", 64, element_size=2)):
+        for causal in (False, True):
+            yield pytest.param(
+                "sm_90", configs.BACKWARD_FUSED, ct.bfloat16, 64, config, causal,
+                id=f"sm_90-{configs.BACKWARD_FUSED}-d64-cfg{config_index}-{'causal' if causal else 'full'}",
+            )  # fmt: skip
     for kernel in configs.KERNELS:
         yield pytest.param("sm_90", kernel, ct.float16, 128, configs.candidates(kernel, "sm_90", 128, 2)[0], True,
                            id=f"sm_90-{kernel}-d128-fp16")  # fmt: skip
@@ -41,29 +47,19 @@ def _compile_matrix():
 def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tmp_path):
     cubin = aot.compile_cubin(kernel, dtype, head_dim, config, causal, arch, tmp_path / "kernel.cubin")
     assert cubin.stat().st_size > 0
-    if arch != "sm_90" or kernel not in MATRIX_KERNELS or dtype not in (ct.float16, ct.bfloat16):
+    if (
+        arch != "sm_90"
+        or kernel not in (*MATRIX_KERNELS, configs.BACKWARD_FUSED)
+        or dtype not in (ct.float16, ct.bfloat16)
+    ):
         return
     text = aot.sass(cubin)
     assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
     spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
     assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "head_dim, config",
-    [(d, c) for d in configs.HEAD_DIMS for c in configs.candidates(configs.BACKWARD_FUSED, "sm_90", d, 2)],
-)
-def test_op_attention_fused_backward_compiles(head_dim, config, causal, tmp_path):
-    """The fused dK/dV kernel sums dQ with TMA reductions, on warpgroup MMA, without spills."""
-    cubin = aot.compile_cubin(
-        configs.BACKWARD_FUSED, ct.bfloat16, head_dim, config, causal, "sm_90", tmp_path / "k.cubin"
-    )
-    text = aot.sass(cubin)
-    assert aot.count_instructions(text, "HGMMA") > 0
-    assert aot.count_instructions(text, "UTMAREDG") > 0, "dQ is not summed by TMA reductions"
-    assert aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL") == 0
-    assert aot.count_instructions(text, "REDG") == 0, "dQ is summed one element at a time"
+    if kernel == configs.BACKWARD_FUSED:
+        assert aot.count_instructions(text, "UTMAREDG") > 0, "dQ is not summed by TMA reductions"
+        assert aot.count_instructions(text, "REDG") == 0, "dQ is summed one element at a time"
 
 
 @pytest.mark.parametrize("kernel, head_dim, causal", plain_sass.VARIANTS, ids=lambda v: str(v))
