@@ -208,10 +208,10 @@ def _sequence_tile_grid(rows: torch.Tensor, seqlen: int, block: str):
 class _ModArgs:
     """The score modifiers' kernel arguments: runtime values and compile-time switches."""
 
-    def __init__(self, problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor):
+    def __init__(self, problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor, device):
         mods = problem.mods
         self.bias = placeholder if tensors.bias is None else tensors.bias
-        self.slopes = _placeholder_slopes(placeholder.device) if tensors.slopes is None else tensors.slopes
+        self.slopes = _placeholder_slopes(device) if tensors.slopes is None else tensors.slopes
         cap = mods.softcap or 1.0
         # Unbounded window sides become a reach past either end of the sequences.
         reach = problem.seqlen_q + problem.seqlen_k
@@ -273,7 +273,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
 
     allowed = not problem.mods.indexes_batch_and_head
     q, k, v, *outputs = fold_batch_into_heads(q, k, v, *outputs, allowed=allowed)
-    mods = _ModArgs(problem, mod_tensors, q)
+    mods = _ModArgs(problem, mod_tensors, q, device)
 
     def args(config):
         return (
@@ -333,7 +333,7 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         q, k, v, out, d_out, lse, delta, lse_base2, dq, dk, dv, dq_sum, allowed=not mods.indexes_batch_and_head
     )  # fmt: skip
     q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_, dq_sum_ = folded
-    mod_args = _ModArgs(problem, mod_tensors, q)
+    mod_args = _ModArgs(problem, mod_tensors, q, device)
     bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
     def writing(gradients, extra_arrays=(), extra_switches=()):
