@@ -22,7 +22,7 @@ from tests.ops.attention_cases import (
 )
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
-from tilegym.ops.attention import launch
+from tilegym.ops.attention import configs, launch
 from tilegym.ops.attention.reference import attention_reference, causal_mask
 
 pytestmark = requires_cuda
@@ -133,8 +133,14 @@ def test_op_attention_head_dims(case, dtype, causal):
     check_forward_and_backward(case, dtype, causal)
 
 
-# Every D=64 case (the head dim with a fused table), with the fused backward forced.
-FUSED_CASES = [c for c in REGULAR + IRREGULAR + CORNERS + SEQLEN_MISMATCH + GQA + HEAD_DIMS if c.head_dim == 64]
+# Every case whose head dim has a fused table (D=64, and D=80 to 128 on 128-wide tiles), with
+# the fused backward forced.
+FUSED_HEAD_DIM_TILES = tuple(configs.TABLES["sm_90"][configs.BACKWARD_FUSED])
+FUSED_CASES = [
+    c
+    for c in REGULAR + IRREGULAR + CORNERS + SEQLEN_MISMATCH + GQA + HEAD_DIMS
+    if configs.head_dim_tile(c.head_dim) in FUSED_HEAD_DIM_TILES
+]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -146,9 +152,10 @@ def test_op_attention_fused_backward(case, dtype, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_op_attention_fused_backward_chosen_for_long_sequences(causal):
+@pytest.mark.parametrize("head_dim", FUSED_HEAD_DIM_TILES)
+def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal):
     """At the length where "auto" picks the fused backward; odd, so the last tiles are partial."""
-    check_forward_and_backward(Case("fused-auto", 1, 2, 1, 4099, 4099, 64), torch.bfloat16, causal)
+    check_forward_and_backward(Case("fused-auto", 1, 2, 1, 4099, 4099, head_dim), torch.bfloat16, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -29,12 +29,14 @@ def _compile_matrix():
                             arch, kernel, ct.bfloat16, head_dim, config, causal,
                             id=f"{arch}-{kernel}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
                         )  # fmt: skip
-    for config_index, config in enumerate(configs.candidates(configs.BACKWARD_FUSED, "sm_90", 64, element_size=2)):
-        for causal in (False, True):
-            yield pytest.param(
-                "sm_90", configs.BACKWARD_FUSED, ct.bfloat16, 64, config, causal,
-                id=f"sm_90-{configs.BACKWARD_FUSED}-d64-cfg{config_index}-{'causal' if causal else 'full'}",
-            )  # fmt: skip
+    for head_dim in configs.TABLES["sm_90"][configs.BACKWARD_FUSED]:
+        fused = configs.candidates(configs.BACKWARD_FUSED, "sm_90", head_dim, element_size=2)
+        for config_index, config in enumerate(fused):
+            for causal in (False, True):
+                yield pytest.param(
+                    "sm_90", configs.BACKWARD_FUSED, ct.bfloat16, head_dim, config, causal,
+                    id=f"sm_90-{configs.BACKWARD_FUSED}-d{head_dim}-cfg{config_index}-{'causal' if causal else 'full'}",
+                )  # fmt: skip
     for kernel in configs.KERNELS:
         yield pytest.param("sm_90", kernel, ct.float16, 128, configs.candidates(kernel, "sm_90", 128, 2)[0], True,
                            id=f"sm_90-{kernel}-d128-fp16")  # fmt: skip

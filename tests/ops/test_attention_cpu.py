@@ -446,7 +446,8 @@ def test_op_fused_backward_arguments(monkeypatch):
     [
         ("auto", 40, 64, False, False),  # short: two kernels win
         ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 64, False, True),
-        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 128, False, False),  # no D=128 table
+        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 128, False, True),
+        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 256, False, False),  # no D=256 table
         ("fused", 40, 64, True, False),  # deterministic algorithms always get two kernels
         ("two-kernel", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 64, False, False),
     ],

@@ -64,10 +64,14 @@ _SM90_DQ = {
     128: [_c(128, 64, num_worker_warps=8), _c(64, 64, occupancy=2)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
-# The fused backward (dK/dV kernel summing dQ by TMA reductions) beat the two-kernel one at
-# D=64 from S=4096 on (+1-10%), lost at S=1024, and at D=128 ranged from -7% to +3%
-# (perf-notes section 18): a D=64 table only, used from FUSED_BACKWARD_MIN_SEQLEN_K keys on.
-_SM90_FUSED = {64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)]}
+# The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one
+# from S=4096 on: at D=64 by 1-10% (perf-notes section 18), at D=128 by 3-16% once each
+# step's dQ share is summed during the next step (section 19); it loses at S=1024. Used from
+# FUSED_BACKWARD_MIN_SEQLEN_K keys on, at the head dims that have a table.
+_SM90_FUSED = {
+    64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
+    128: [_c(64, 128, num_worker_warps=8)],
+}
 FUSED_BACKWARD_MIN_SEQLEN_K = 4096
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
