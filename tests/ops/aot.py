@@ -22,6 +22,7 @@ KERNELS = {
     configs.BACKWARD_DKDV: kernels.attention_backward_dkdv_kernel,
     configs.BACKWARD_DQ: kernels.attention_backward_dq_kernel,
     configs.BACKWARD_FUSED: kernels.attention_backward_dkdv_kernel,  # with sum_dq on
+    configs.BACKWARD_FUSED_GROUPED: kernels.attention_backward_dkdv_kernel,  # with sum_dq and sum_dkdv on
 }
 _ROW_STATS = ("Lse", "Delta", "LseBase2")
 
@@ -60,7 +61,9 @@ def signature(
         "block_d": configs.head_dim_tile(head_dim),
         "causal": causal,
         **PLAIN,
-        "sum_dq": kernel_name == configs.BACKWARD_FUSED,  # the dK/dV kernel, fused with dQ
+        # The dK/dV kernel, fused with dQ; grouped: a program per query head, dK/dV summed too.
+        "sum_dq": kernel_name in (configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED),
+        "sum_dkdv": kernel_name == configs.BACKWARD_FUSED_GROUPED,
         **(switches or {}),
     }
     params = []
@@ -71,7 +74,12 @@ def signature(
             params.append(ScalarConstraint(ct.float32))
         elif param.annotation is int:
             params.append(ScalarConstraint(ct.int32))
-        elif name in _ROW_STATS or name == "DBias" or (name == "DQSum" and constants["sum_dq"]):
+        elif (
+            name in _ROW_STATS
+            or name == "DBias"
+            or (name == "DQSum" and constants["sum_dq"])
+            or (name in ("dK", "dV") and constants["sum_dkdv"])
+        ):
             params.append(_array(stat_dtype, 3 if name in _ROW_STATS else 4))
         elif name == "Slopes":
             params.append(_array(ct.float32, 2))

@@ -2,7 +2,8 @@
 
 For each kernel: every config of its sm_90 and sm_100 tables at head dims 64 and 128, and the
 first config at the other head dims, causal and not, in bf16 (fp16 and the fp32/fp64 configs
-at one head dim); and the fused backward's sm_90 configs, which must sum dQ by TMA reductions.
+at one head dim); and the fused backward's sm_90 configs (plain and grouped), which must add
+their fp32 sums by TMA reductions.
 On sm_90 the matrix kernels must use warpgroup MMA (HGMMA) and must not spill registers to
 local memory (LDL/STL): a spill or a fall-back to HMMA is a slowdown that CPU CI can catch.
 """
@@ -14,6 +15,7 @@ from tests.ops import aot, plain_sass
 from tilegym.ops.attention import configs
 
 MATRIX_KERNELS = (configs.FORWARD, configs.FORWARD_LSE, configs.BACKWARD_DKDV, configs.BACKWARD_DQ)
+FUSED_KERNELS = (configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED)
 TUNED_HEAD_DIMS = (64, 128)
 
 
@@ -29,14 +31,15 @@ def _compile_matrix():
                             arch, kernel, ct.bfloat16, head_dim, config, causal,
                             id=f"{arch}-{kernel}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
                         )  # fmt: skip
-    for head_dim in configs.TABLES["sm_90"][configs.BACKWARD_FUSED]:
-        fused = configs.candidates(configs.BACKWARD_FUSED, "sm_90", head_dim, element_size=2)
-        for config_index, config in enumerate(fused):
-            for causal in (False, True):
-                yield pytest.param(
-                    "sm_90", configs.BACKWARD_FUSED, ct.bfloat16, head_dim, config, causal,
-                    id=f"sm_90-{configs.BACKWARD_FUSED}-d{head_dim}-cfg{config_index}-{'causal' if causal else 'full'}",
-                )  # fmt: skip
+    for kernel in FUSED_KERNELS:
+        for head_dim in configs.TABLES["sm_90"][kernel]:
+            fused = configs.candidates(kernel, "sm_90", head_dim, element_size=2)
+            for config_index, config in enumerate(fused):
+                for causal in (False, True):
+                    yield pytest.param(
+                        "sm_90", kernel, ct.bfloat16, head_dim, config, causal,
+                        id=f"sm_90-{kernel}-d{head_dim}-cfg{config_index}-{'causal' if causal else 'full'}",
+                    )  # fmt: skip
     for kernel in configs.KERNELS:
         yield pytest.param("sm_90", kernel, ct.float16, 128, configs.candidates(kernel, "sm_90", 128, 2)[0], True,
                            id=f"sm_90-{kernel}-d128-fp16")  # fmt: skip
@@ -49,19 +52,15 @@ def _compile_matrix():
 def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tmp_path):
     cubin = aot.compile_cubin(kernel, dtype, head_dim, config, causal, arch, tmp_path / "kernel.cubin")
     assert cubin.stat().st_size > 0
-    if (
-        arch != "sm_90"
-        or kernel not in (*MATRIX_KERNELS, configs.BACKWARD_FUSED)
-        or dtype not in (ct.float16, ct.bfloat16)
-    ):
+    if arch != "sm_90" or kernel not in (*MATRIX_KERNELS, *FUSED_KERNELS) or dtype not in (ct.float16, ct.bfloat16):
         return
     text = aot.sass(cubin)
     assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
     spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
     assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
-    if kernel == configs.BACKWARD_FUSED:
-        assert aot.count_instructions(text, "UTMAREDG") > 0, "dQ is not summed by TMA reductions"
-        assert aot.count_instructions(text, "REDG") == 0, "dQ is summed one element at a time"
+    if kernel in FUSED_KERNELS:
+        assert aot.count_instructions(text, "UTMAREDG") > 0, "fp32 sums are not added by TMA reductions"
+        assert aot.count_instructions(text, "REDG") == 0, "fp32 sums are added one element at a time"
 
 
 @pytest.mark.parametrize("kernel, head_dim, causal", plain_sass.VARIANTS, ids=lambda v: str(v))

@@ -415,49 +415,67 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
 # ---- fused backward ---------------------------------------------------------------------------
 
 
-def _recorded_backward(monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, **problem_options):
+def _recorded_backward(monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, causal=True):
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
     q, k, v = _cpu_inputs(q_shape=(batch, q_heads, seqlen, head_dim), kv_shape=(batch, 2, seqlen, head_dim))
-    problem = launch.AttentionProblem(batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, True)
+    problem = launch.AttentionProblem(batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal)
     out, lse = torch.randn_like(q), torch.randn(batch, q_heads, seqlen)
     grads = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem)
     return [name for name, *_ in _RecordingLauncher.launches], _RecordingLauncher.launches, grads
 
 
-def test_op_fused_backward_arguments(monkeypatch):
-    """Fused: preprocess then the dK/dV kernel with sum_dq on and an fp32 DQSum of whole tiles."""
+@pytest.mark.parametrize("q_heads", [2, 4], ids=["mha", "gqa"])
+def test_op_fused_backward_arguments(monkeypatch, q_heads):
+    """Fused: preprocess then the dK/dV kernel with sum_dq on and an fp32 DQSum of whole tiles;
+    grouped (causal, query groups: sum_dkdv) a program per query head, adding into fp32 dK/dV sums."""
     import inspect
 
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
-    names, launches, (dq, _, _, _) = _recorded_backward(monkeypatch)
-    assert names == [configs.BACKWARD_PREPROCESS, configs.BACKWARD_FUSED]
+    names, launches, (dq, dk, dv, _) = _recorded_backward(monkeypatch, q_heads=q_heads)  # causal
+    grouped = q_heads > 2
+    name = configs.BACKWARD_FUSED_GROUPED if grouped else configs.BACKWARD_FUSED
+    assert names == [configs.BACKWARD_PREPROCESS, name]
     _, kernel, grid, args, config = launches[1]
     values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
+    fused = configs.candidates(name, "sm_90", 64, 2)
     assert values["sum_dq"] is True and values["DQSum"].dtype == torch.float32
-    padded = max(c.block_m for c in configs.candidates(configs.BACKWARD_FUSED, "sm_90", 64, 2))
-    assert values["DQSum"].shape == (1, 3 * 4, padded, 64)  # batch folded into heads
-    assert torch.equal(dq, torch.zeros_like(dq))  # the recorder runs no kernel: dQ is the zeroed sum
-    assert grid == (1, 3 * 2, 1)
+    padded_m, padded_n = (max(getattr(c, block) for c in fused) for block in ("block_m", "block_n"))
+    assert values["DQSum"].shape == (1, 3 * q_heads, padded_m, 64)  # batch folded into heads
+    assert values["sum_dkdv"] is grouped
+    for name in ("dK", "dV"):
+        if grouped:
+            assert values[name].dtype == torch.float32 and values[name].shape == (1, 3 * 2, padded_n, 64)
+        else:
+            assert values[name].dtype == torch.bfloat16 and values[name].shape == (1, 3 * 2, 40, 64)
+    # The recorder runs no kernel: each gradient that went through a sum is the zeroed sum.
+    for gradient in (dq, dk, dv) if grouped else (dq,):
+        assert torch.equal(gradient, torch.zeros_like(gradient))
+    assert grid == (1, 3 * q_heads if grouped else 3 * 2, 1)
+
+
+MIN_FUSED = configs.FUSED_BACKWARD_MIN_SEQLEN_K
 
 
 @pytest.mark.parametrize(
-    "choice, seqlen, head_dim, deterministic, fused",
+    "choice, seqlen, head_dim, q_heads, causal, deterministic, expected",
     [
-        ("auto", 40, 64, False, False),  # short: two kernels win
-        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 64, False, True),
-        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 128, False, True),
-        ("auto", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 256, False, False),  # no D=256 table
-        ("fused", 40, 64, True, False),  # deterministic algorithms always get two kernels
-        ("two-kernel", configs.FUSED_BACKWARD_MIN_SEQLEN_K, 64, False, False),
+        ("auto", 40, 64, 2, True, False, None),  # short: two kernels win
+        ("auto", MIN_FUSED, 64, 2, True, False, configs.BACKWARD_FUSED),
+        ("auto", MIN_FUSED, 128, 2, False, False, configs.BACKWARD_FUSED),
+        ("auto", MIN_FUSED, 128, 4, True, False, configs.BACKWARD_FUSED_GROUPED),  # causal query groups
+        ("auto", MIN_FUSED, 64, 4, False, False, configs.BACKWARD_FUSED),  # equal programs: not grouped
+        ("auto", MIN_FUSED, 256, 2, True, False, None),  # no D=256 table
+        ("fused", 40, 64, 4, True, True, None),  # deterministic algorithms always get two kernels
+        ("two-kernel", MIN_FUSED, 64, 2, True, False, None),
     ],
 )
-def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, deterministic, fused):
+def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_heads, causal, deterministic, expected):
     monkeypatch.setenv("TILEGYM_BACKWARD", choice)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    names, _, _ = _recorded_backward(monkeypatch, seqlen=seqlen, head_dim=head_dim, q_heads=2, batch=1)
-    assert (configs.BACKWARD_FUSED in names) == fused
-    assert (configs.BACKWARD_DQ in names) == (not fused)
+    names, _, _ = _recorded_backward(monkeypatch, seqlen, head_dim, q_heads, batch=1, causal=causal)
+    two_kernels = [configs.BACKWARD_PREPROCESS, configs.BACKWARD_DKDV, configs.BACKWARD_DQ]
+    assert names == ([configs.BACKWARD_PREPROCESS, expected] if expected else two_kernels)
 
 
 def test_op_backward_choice_rejects_unknown_values(monkeypatch):

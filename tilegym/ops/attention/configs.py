@@ -18,9 +18,11 @@ FORWARD_LSE = "attention_forward_lse"
 BACKWARD_PREPROCESS = "attention_backward_preprocess"
 BACKWARD_DKDV = "attention_backward_dkdv"
 BACKWARD_DQ = "attention_backward_dq"
-# The dK/dV kernel that also sums dQ (the fused backward); not in KERNELS: it has tables only
-# where it was measured to win, and launch.py falls back to the two-kernel backward elsewhere.
+# The dK/dV kernel that also sums dQ (the fused backward), and its form for causal grouped-query
+# attention, a program per query head adding into fp32 dK/dV sums; not in KERNELS: they have
+# tables only where they were measured to win, and launch.py uses two kernels elsewhere.
 BACKWARD_FUSED = "attention_backward_fused"
+BACKWARD_FUSED_GROUPED = "attention_backward_fused_grouped"
 
 KERNELS = (FORWARD, FORWARD_LSE, BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ)
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
@@ -73,6 +75,10 @@ _SM90_FUSED = {
     128: [_c(64, 128, num_worker_warps=8)],
 }
 FUSED_BACKWARD_MIN_SEQLEN_K = 4096
+# Causal grouped-query attention: one program per KV head and key tile made too few programs
+# of too unequal lengths (GQA 8, D=128, S=4096: 284 TFLOPS against 375 with a program per
+# query head, section 20). 128x128 spills at D=64 in that form; 64x128 matched it there.
+_SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
 _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}
@@ -132,6 +138,7 @@ TABLES = {
         BACKWARD_DKDV: _SM80_BACKWARD,
         BACKWARD_DQ: _SM80_BACKWARD,
         BACKWARD_FUSED: {},
+        BACKWARD_FUSED_GROUPED: {},
     },
     "sm_90": {
         FORWARD: _SM90_FORWARD,
@@ -140,6 +147,7 @@ TABLES = {
         BACKWARD_DKDV: _SM90_DKDV,
         BACKWARD_DQ: _SM90_DQ,
         BACKWARD_FUSED: _SM90_FUSED,
+        BACKWARD_FUSED_GROUPED: _SM90_FUSED_GROUPED,
     },
     "sm_100": {
         FORWARD: _SM100_FORWARD,
@@ -148,6 +156,7 @@ TABLES = {
         BACKWARD_DKDV: _SM100_BACKWARD,
         BACKWARD_DQ: _SM100_BACKWARD,
         BACKWARD_FUSED: {},
+        BACKWARD_FUSED_GROUPED: {},
     },
     "sm_120": {
         FORWARD: _SM80_FORWARD,
@@ -156,6 +165,7 @@ TABLES = {
         BACKWARD_DKDV: _SM80_BACKWARD,
         BACKWARD_DQ: _SM80_BACKWARD,
         BACKWARD_FUSED: {},
+        BACKWARD_FUSED_GROUPED: {},
     },
 }
 WIDE_TABLE = {
@@ -165,6 +175,7 @@ WIDE_TABLE = {
     BACKWARD_DKDV: _WIDE_BACKWARD,
     BACKWARD_DQ: _WIDE_BACKWARD,
     BACKWARD_FUSED: {},
+    BACKWARD_FUSED_GROUPED: {},
 }
 
 
@@ -205,7 +216,7 @@ def candidates(
         table = MODIFIED_TABLES[arch, kernel]
     else:
         table = TABLES[arch][kernel]
-    choices = table.get(head_dim_tile(head_dim), ())  # empty only for BACKWARD_FUSED
+    choices = table.get(head_dim_tile(head_dim), ())  # empty only for the fused backward
     if modified:
         choices = [config for config in choices if (config.num_ctas or 1) == 1]
     return tuple(choices)

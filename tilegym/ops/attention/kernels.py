@@ -712,6 +712,7 @@ def attention_backward_dkdv_kernel(
     alibi: ConstBool,
     bias_grad: ConstInt,
     sum_dq: ConstBool,
+    sum_dkdv: ConstBool,
 ):
     """dK and dV (and dBias, with bias_grad) of one key tile of one KV head.
 
@@ -722,10 +723,22 @@ def attention_backward_dkdv_kernel(
     into DQSum ([B, Hq, Sq padded to block_m, D] fp32, zeroed), which makes the dQ kernel
     unnecessary: 5 matmul-equivalents instead of 7, but the order of dQ's sums varies from
     run to run. Without it, DQSum is an unused placeholder.
+    With sum_dkdv (the fused backward of grouped-query attention), a program takes one query
+    head (grid axis 1 counts query heads), and dK, dV are zeroed fp32 sums ([B, Hkv, Sk
+    padded to block_n, D]) that the programs of a group add into: a group's heads run side
+    by side instead of one after another in one program, which balances the GPU's load when
+    few KV heads make few programs.
     """
     kv_tile = ct.bid(0)
-    kv_head = ct.bid(1)
     b = ct.bid(2)
+    if sum_dkdv:
+        first_q_head = ct.bid(1)
+        kv_head = first_q_head // query_group_size
+        members = 1
+    else:
+        kv_head = ct.bid(1)
+        first_q_head = kv_head * query_group_size
+        members = query_group_size
     seqlen_q = Q.shape[2]
     seqlen_k = K.shape[2]
     acc_dtype = _accumulator_dtype(K.dtype)
@@ -741,8 +754,8 @@ def attention_backward_dkdv_kernel(
     d_key = ct.zeros((block_n, block_d), acc_dtype)
     d_value = ct.zeros((block_n, block_d), acc_dtype)
 
-    for group_member in range(query_group_size):
-        q_head = kv_head * query_group_size + group_member
+    for group_member in range(members):
+        q_head = first_q_head + group_member
         mods = _head_mods(
             Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi
         )
@@ -790,8 +803,12 @@ def attention_backward_dkdv_kernel(
             d_bias = d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)
             ct.store(DBias, index=(b, q_head, 0, kv_tile), tile=d_bias)
 
-    _store_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
-    _store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
+    if sum_dkdv:
+        _add_tile(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
+        _add_tile(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
+    else:
+        _store_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
+        _store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
 
 
 @ct.function

@@ -327,12 +327,14 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
 
     delta, lse_base2 = _row_stat(problem, device), _row_stat(problem, device)
     fused = _fused_backward(problem, launcher, bias_grad)
-    # The fused backward sums dQ in fp32, over query rows padded to whole tiles of every candidate.
-    dq_sum = torch.empty(_dq_sum_shape(problem, launcher), dtype=torch.float32, device=device) if fused else dq
+    # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
+    # the grouped one also dK and dV, so that a group's heads run in separate programs.
+    outputs = _fused_outputs(problem, launcher, fused, dk, dv) if fused else DkdvOutputs(dq, dk, dv, grouped=False)
     folded = fold_batch_into_heads(
-        q, k, v, out, d_out, lse, delta, lse_base2, dq, dk, dv, dq_sum, allowed=not mods.indexes_batch_and_head
+        q, k, v, out, d_out, lse, delta, lse_base2, dq, outputs.dq, outputs.dk, outputs.dv,
+        allowed=not mods.indexes_batch_and_head,
     )  # fmt: skip
-    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_, dq_sum_ = folded
+    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dq_sum_, dk_, dv_ = folded
     mod_args = _ModArgs(problem, mod_tensors, q, device)
     bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
@@ -344,10 +346,12 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         return lambda config: (*inputs, *gradients, *middle, config.block_m, config.block_n, head_tile, *switches)
 
     query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
-    key_tiles = _sequence_tile_grid(k, problem.seqlen_k, "block_n")
+    # A grouped fused backward runs a program per query head and key tile.
+    key_tiles = _sequence_tile_grid(q if outputs.grouped else k, problem.seqlen_k, "block_n")
     # Without fusion the dK/dV kernel's DQSum is an unused placeholder.
     dkdv_gradients = (dk_, dv_, dq_sum_ if fused else q)
-    dkdv_args = writing(dkdv_gradients, (q if d_bias is None else d_bias,), (bias_grad_mode, fused))
+    switches = (bias_grad_mode, fused is not None, outputs.grouped)
+    dkdv_args = writing(dkdv_gradients, (q if d_bias is None else d_bias,), switches)
     dq_args = writing((dq_,))
     # Everything is prepared before the first launch: the preprocess is short, and host work
     # between launches would leave the GPU idle after it.
@@ -358,10 +362,8 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
     )
     if fused:
-        launcher.launch(
-            configs.BACKWARD_FUSED, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, reset=dq_sum.zero_
-        )
-        dq.copy_(dq_sum[:, :, : problem.seqlen_q, : problem.head_dim])
+        launcher.launch(fused, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, reset=outputs.zero)
+        outputs.copy_to(dq, dk, dv, problem)
     else:
         launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
         launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, dq_args)
@@ -379,25 +381,62 @@ def backward_choice() -> str:
     return value
 
 
-def _fused_backward(problem: AttentionProblem, launcher: "_Launcher", bias_grad: bool) -> bool:
-    """Whether the backward runs fused (dQ summed by the dK/dV kernel) rather than in two kernels.
+def _fused_backward(problem: AttentionProblem, launcher: "_Launcher", bias_grad: bool) -> str | None:
+    """The fused backward's kernel name (dQ summed by the dK/dV kernel), or None for two kernels.
 
     Fused only for plain attention where the arch has a fused table, never under
-    torch.use_deterministic_algorithms (the order of dQ's fp32 sums varies between runs);
+    torch.use_deterministic_algorithms (the order of the fp32 sums varies between runs);
     "auto" also needs enough keys for it to win (configs.FUSED_BACKWARD_MIN_SEQLEN_K).
+    Causal grouped-query attention takes the grouped form: a program per query head.
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
-        return False
-    if problem.mods != PLAIN or bias_grad or not launcher.candidates(configs.BACKWARD_FUSED):
-        return False
-    return choice == "fused" or problem.seqlen_k >= configs.FUSED_BACKWARD_MIN_SEQLEN_K
+        return None
+    grouped = problem.causal and problem.query_group_size > 1
+    name = configs.BACKWARD_FUSED_GROUPED if grouped else configs.BACKWARD_FUSED
+    if problem.mods != PLAIN or bias_grad or not launcher.candidates(name):
+        return None
+    if choice == "fused" or problem.seqlen_k >= configs.FUSED_BACKWARD_MIN_SEQLEN_K:
+        return name
+    return None
 
 
-def _dq_sum_shape(problem: AttentionProblem, launcher: "_Launcher") -> tuple[int, int, int, int]:
-    rows = max(config.block_m for config in launcher.candidates(configs.BACKWARD_FUSED))
-    padded = math.ceil(problem.seqlen_q / rows) * rows
-    return problem.batch, problem.q_heads, padded, configs.head_dim_tile(problem.head_dim)
+@dataclass(frozen=True)
+class DkdvOutputs:
+    """What the dK/dV kernel writes. Fused: dQ's fp32 sum, and dK and dV themselves or, grouped,
+    their fp32 sums, over rows padded to whole tiles (the sums are zeroed, then cast). Two
+    kernels: dK and dV themselves (dq is then the dQ kernel's output, unused here)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    grouped: bool  # dk and dv are sums too: the kernel's sum_dkdv
+
+    def zero(self) -> None:
+        for total in (self.dq, self.dk, self.dv) if self.grouped else (self.dq,):
+            total.zero_()
+
+    def copy_to(self, dq, dk, dv, problem: AttentionProblem) -> None:
+        dq.copy_(self.dq[:, :, : problem.seqlen_q, : problem.head_dim])
+        if self.grouped:
+            dk.copy_(self.dk[:, :, : problem.seqlen_k, : problem.head_dim])
+            dv.copy_(self.dv[:, :, : problem.seqlen_k, : problem.head_dim])
+
+
+def _fused_outputs(problem: AttentionProblem, launcher: "_Launcher", name: str, dk, dv) -> DkdvOutputs:
+    candidates = launcher.candidates(name)
+    head_tile = configs.head_dim_tile(problem.head_dim)
+
+    def padded_sum(heads, seqlen, block):
+        rows = max(getattr(config, block) for config in candidates)
+        shape = (problem.batch, heads, math.ceil(seqlen / rows) * rows, head_tile)
+        return torch.empty(shape, dtype=torch.float32, device=dk.device)
+
+    dq_sum = padded_sum(problem.q_heads, problem.seqlen_q, "block_m")
+    if name != configs.BACKWARD_FUSED_GROUPED:
+        return DkdvOutputs(dq_sum, dk, dv, grouped=False)
+    dk_sum, dv_sum = (padded_sum(problem.kv_heads, problem.seqlen_k, "block_n") for _ in range(2))
+    return DkdvOutputs(dq_sum, dk_sum, dv_sum, grouped=True)
 
 
 def _caller_bias_grad(d_bias, mods: ScoreMods, mod_tensors: ModTensors):
