@@ -443,11 +443,12 @@ def test_op_fused_backward_arguments(monkeypatch, q_heads):
     padded_m, padded_n = (max(getattr(c, block) for c in fused) for block in ("block_m", "block_n"))
     assert values["DQSum"].shape == (1, 3 * q_heads, padded_m, 64)  # batch folded into heads
     assert values["sum_dkdv"] is grouped
-    for name in ("dK", "dV"):
+    for gradient_name in ("dK", "dV"):
+        target = values[gradient_name]
         if grouped:
-            assert values[name].dtype == torch.float32 and values[name].shape == (1, 3 * 2, padded_n, 64)
+            assert target.dtype == torch.float32 and target.shape == (1, 3 * 2, padded_n, 64)
         else:
-            assert values[name].dtype == torch.bfloat16 and values[name].shape == (1, 3 * 2, 40, 64)
+            assert target.dtype == torch.bfloat16 and target.shape == (1, 3 * 2, 40, 64)
     # The recorder runs no kernel: each gradient that went through a sum is the zeroed sum.
     for gradient in (dq, dk, dv) if grouped else (dq,):
         assert torch.equal(gradient, torch.zeros_like(gradient))

@@ -208,10 +208,10 @@ def _sequence_tile_grid(rows: torch.Tensor, seqlen: int, block: str):
 class _ModArgs:
     """The score modifiers' kernel arguments: runtime values and compile-time switches."""
 
-    def __init__(self, problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor, device):
+    def __init__(self, problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor):
         mods = problem.mods
         self.bias = placeholder if tensors.bias is None else tensors.bias
-        self.slopes = _placeholder_slopes(device) if tensors.slopes is None else tensors.slopes
+        self.slopes = _placeholder_slopes(placeholder.device) if tensors.slopes is None else tensors.slopes
         cap = mods.softcap or 1.0
         # Unbounded window sides become a reach past either end of the sequences.
         reach = problem.seqlen_q + problem.seqlen_k
@@ -273,7 +273,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
 
     allowed = not problem.mods.indexes_batch_and_head
     q, k, v, *outputs = fold_batch_into_heads(q, k, v, *outputs, allowed=allowed)
-    mods = _ModArgs(problem, mod_tensors, q, device)
+    mods = _ModArgs(problem, mod_tensors, q)
 
     def args(config):
         return (
@@ -329,13 +329,13 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     fused = _fused_backward(problem, launcher, bias_grad)
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
-    outputs = _fused_outputs(problem, launcher, fused, dk, dv) if fused else DkdvOutputs(dq, dk, dv, grouped=False)
+    targets = _fused_targets(problem, launcher, fused, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
     folded = fold_batch_into_heads(
-        q, k, v, out, d_out, lse, delta, lse_base2, dq, outputs.dq, outputs.dk, outputs.dv,
+        q, k, v, out, d_out, lse, delta, lse_base2, targets.dq, targets.dk, targets.dv,
         allowed=not mods.indexes_batch_and_head,
     )  # fmt: skip
-    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dq_sum_, dk_, dv_ = folded
-    mod_args = _ModArgs(problem, mod_tensors, q, device)
+    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_ = folded
+    mod_args = _ModArgs(problem, mod_tensors, q)
     bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
 
     def writing(gradients, extra_arrays=(), extra_switches=()):
@@ -347,10 +347,10 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
 
     query_tiles = _sequence_tile_grid(q, problem.seqlen_q, "block_m")
     # A grouped fused backward runs a program per query head and key tile.
-    key_tiles = _sequence_tile_grid(q if outputs.grouped else k, problem.seqlen_k, "block_n")
+    key_tiles = _sequence_tile_grid(q if targets.grouped else k, problem.seqlen_k, "block_n")
     # Without fusion the dK/dV kernel's DQSum is an unused placeholder.
-    dkdv_gradients = (dk_, dv_, dq_sum_ if fused else q)
-    switches = (bias_grad_mode, fused is not None, outputs.grouped)
+    dkdv_gradients = (dk_, dv_, dq_ if fused else q)
+    switches = (bias_grad_mode, fused is not None, targets.grouped)
     dkdv_args = writing(dkdv_gradients, (q if d_bias is None else d_bias,), switches)
     dq_args = writing((dq_,))
     # Everything is prepared before the first launch: the preprocess is short, and host work
@@ -362,8 +362,8 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
     )
     if fused:
-        launcher.launch(fused, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, reset=outputs.zero)
-        outputs.copy_to(dq, dk, dv, problem)
+        launcher.launch(fused, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, reset=targets.zero)
+        targets.copy_to(dq, dk, dv, problem)
     else:
         launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
         launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, dq_args)
@@ -402,10 +402,10 @@ def _fused_backward(problem: AttentionProblem, launcher: "_Launcher", bias_grad:
 
 
 @dataclass(frozen=True)
-class DkdvOutputs:
-    """What the dK/dV kernel writes. Fused: dQ's fp32 sum, and dK and dV themselves or, grouped,
-    their fp32 sums, over rows padded to whole tiles (the sums are zeroed, then cast). Two
-    kernels: dK and dV themselves (dq is then the dQ kernel's output, unused here)."""
+class GradientTargets:
+    """Where the backward kernels write dQ, dK and dV: the gradients themselves (two kernels),
+    or for the fused backward a zeroed fp32 sum of dQ and, grouped, of dK and dV, over rows
+    padded to whole tiles, cast into the gradients afterwards (copy_to)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -423,7 +423,7 @@ class DkdvOutputs:
             dv.copy_(self.dv[:, :, : problem.seqlen_k, : problem.head_dim])
 
 
-def _fused_outputs(problem: AttentionProblem, launcher: "_Launcher", name: str, dk, dv) -> DkdvOutputs:
+def _fused_targets(problem: AttentionProblem, launcher: "_Launcher", name: str, dk, dv) -> GradientTargets:
     candidates = launcher.candidates(name)
     head_tile = configs.head_dim_tile(problem.head_dim)
 
@@ -434,9 +434,9 @@ def _fused_outputs(problem: AttentionProblem, launcher: "_Launcher", name: str, 
 
     dq_sum = padded_sum(problem.q_heads, problem.seqlen_q, "block_m")
     if name != configs.BACKWARD_FUSED_GROUPED:
-        return DkdvOutputs(dq_sum, dk, dv, grouped=False)
+        return GradientTargets(dq_sum, dk, dv, grouped=False)
     dk_sum, dv_sum = (padded_sum(problem.kv_heads, problem.seqlen_k, "block_n") for _ in range(2))
-    return DkdvOutputs(dq_sum, dk_sum, dv_sum, grouped=True)
+    return GradientTargets(dq_sum, dk_sum, dv_sum, grouped=True)
 
 
 def _caller_bias_grad(d_bias, mods: ScoreMods, mod_tensors: ModTensors):
