@@ -5,6 +5,8 @@ Kept to reproduce docs/perf-notes.md sections 10 and 18: adding block_m x D fp32
 one element at a time per (query tile, key tile) pair lost (0.55-0.7x of the two-kernel
 backward); a tile-wide sum through a tiled view (a TMA reduction, flag "t") reached parity
 and more, and is what the library's fused backward (the dK/dV kernel with sum_dq) does.
+Each row also times the library's two backwards, TILEGYM_BACKWARD=two-kernel and =fused
+(whose dQ share is held for a step at D=128, section 19).
 
     python tests/benchmark/experiment_fused_backward.py 64,128,8 64,128,8t 64,128,8st 128,128,8t
 
@@ -15,6 +17,7 @@ instead of one atomic per element.
 """
 
 import math
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -159,6 +162,19 @@ def _median_ms(fn, *args) -> float:
     return do_bench(partial(fn, *args), warmup=50, rep=200, return_mode="median")
 
 
+def _library_backward(design: str, *arrays, problem):
+    """launch.backward with TILEGYM_BACKWARD set to design ("two-kernel" or "fused")."""
+    saved = os.environ.get("TILEGYM_BACKWARD")
+    os.environ["TILEGYM_BACKWARD"] = design
+    try:
+        return launch.backward(*arrays, problem)
+    finally:
+        if saved is None:
+            del os.environ["TILEGYM_BACKWARD"]
+        else:
+            os.environ["TILEGYM_BACKWARD"] = saved
+
+
 def _cudnn_backward(inputs, d_out, out):
     return torch.autograd.grad(out, inputs, d_out, retain_graph=True)
 
@@ -175,8 +191,11 @@ def compare(head_dim: int, seqlen: int, causal: bool, specs) -> str:
     out, lse = launch.forward(q, k, v, problem, with_lse=True)
     tflops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1) / 1e9
     arrays = (d_out, q, k, v, out, lse)
-    expected = launch.backward(*arrays, problem)[:3]
-    cells = [f"two-kernel {tflops / _median_ms(launch.backward, *arrays, problem):.0f}"]
+    expected = _library_backward("two-kernel", *arrays, problem=problem)[:3]
+    cells = [
+        f"{design} {tflops / _median_ms(partial(_library_backward, design, problem=problem), *arrays):.0f}"
+        for design in ("two-kernel", "fused")
+    ]
     for spec in specs:
         config, staggered, tiled_sum = _config(spec)
         got = fused_backward(*arrays, causal, config, staggered, tiled_sum)
