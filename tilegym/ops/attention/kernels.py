@@ -248,9 +248,11 @@ def _window_query_tiles(kv_tile, seqlen_q, seqlen_k, mods, block_m: ConstInt, bl
 @ct.function
 def _visible(rows, cols, seqlen_q, seqlen_k, causal: ConstBool, mods, switches):
     """Which (query, key) pairs a row attends to; rows and cols broadcast against each other."""
-    inside = cols < seqlen_k
     if causal:
-        inside = inside & (cols <= rows + (seqlen_k - seqlen_q))
+        # The diagonal and the end of the keys as one limit per row: one comparison per pair.
+        inside = cols <= ct.minimum(rows + (seqlen_k - seqlen_q), seqlen_k - 1)
+    else:
+        inside = cols < seqlen_k
     windowed, _, _, _ = switches
     if windowed:
         _, _, _, _, _, _, window_left, window_right = mods
