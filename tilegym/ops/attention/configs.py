@@ -68,13 +68,14 @@ _SM90_DQ = {
 }
 # The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one
 # from S=4096 on: at D=64 by 1-10% (perf-notes section 18), at D=128 by 3-16% once each
-# step's dQ share is summed during the next step (section 19); it loses at S=1024. Used from
+# step's dQ share is summed during the next step (section 19); at S=2048 it wins without a
+# mask and ties with one, at S=1024 it loses causal (section 21). Used from
 # FUSED_BACKWARD_MIN_SEQLEN_K keys on, at the head dims that have a table.
 _SM90_FUSED = {
     64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
     128: [_c(64, 128, num_worker_warps=8)],
 }
-FUSED_BACKWARD_MIN_SEQLEN_K = 4096
+FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # Causal grouped-query attention: one program per KV head and key tile made too few programs
 # of too unequal lengths (GQA 8, D=128, S=4096: 284 TFLOPS against 375 with a program per
 # query head, section 20). 128x128 spills at D=64 in that form; 64x128 matched it there.
