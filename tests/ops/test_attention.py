@@ -154,8 +154,10 @@ def test_op_attention_fused_backward(case, dtype, causal, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", FUSED_HEAD_DIM_TILES)
 def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal):
-    """At the length where "auto" picks the fused backward; odd, so the last tiles are partial."""
-    check_forward_and_backward(Case("fused-auto", 1, 2, 1, 4099, 4099, head_dim), torch.bfloat16, causal)
+    """Just past the length from which "auto" picks the fused backward; odd, so the last tiles
+    are partial."""
+    seqlen = configs.FUSED_BACKWARD_MIN_SEQLEN_K + 3
+    check_forward_and_backward(Case("fused-auto", 1, 2, 1, seqlen, seqlen, head_dim), torch.bfloat16, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
