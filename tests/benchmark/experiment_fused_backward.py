@@ -21,6 +21,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -33,13 +34,18 @@ from tilegym.ops.attention import configs, kernels, launch  # noqa: E402
 from tilegym.ops.attention.kernels import (  # noqa: E402
     ConstBool,
     ConstInt,
+    _add_tile,
     _causal_query_tiles,
     _load_row_stat,
     _load_rows,
     _store_rows,
+    _visible,
 )
+from tilegym.ops.attention.score_mods import BIAS_NONE  # noqa: E402
 
 LOG2E = 1.4426950408889634
+# The kernels' score-modifier switches (windowed, capped, bias_mode, alibi), all off.
+_NO_MODIFIERS = (False, False, BIAS_NONE, False)
 
 
 @ct.function
@@ -55,10 +61,7 @@ def _fused_step(
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]
     probs_t = ct.exp2(ct.mma(k, ct.transpose(q), ct.zeros((block_n, block_m), ct.float32)) * qk_scale_log2 - lse)
     if masked:
-        inside = cols < seqlen_k
-        if causal:
-            inside = inside & (cols <= rows + (seqlen_k - seqlen_q))
-        probs_t = ct.where(inside, probs_t, 0.0)
+        probs_t = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, (), _NO_MODIFIERS), probs_t, 0.0)
     d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
     d_probs_t = ct.mma(v, ct.transpose(d_out), ct.zeros((block_n, block_m), ct.float32))
     d_scores_t = (probs_t * (d_probs_t - delta)).astype(q.dtype)
@@ -66,10 +69,7 @@ def _fused_step(
     # This key tile's share of dQ, added to a tile-padded fp32 sum: no bounds checks needed.
     d_query = ct.mma(ct.transpose(d_scores_t), k, ct.zeros((block_m, block_d), ct.float32))
     if tiled_sum:
-        # A tile-wide reduction into the tiled view (one bulk operation per tile where the
-        # hardware has one), instead of one atomic per element.
-        view = DQsum.tiled_view((1, 1, block_m, block_d))
-        view.atomic_store_add((b, h, q_tile, 0), d_query.reshape((1, 1, block_m, block_d)))
+        _add_tile(DQsum, b, h, q_tile, d_query, block_m, block_d)  # the library's tile-wide sum
     else:
         query_rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
         dims = ct.arange(block_d, dtype=ct.int32)[None, :]
@@ -164,15 +164,8 @@ def _median_ms(fn, *args) -> float:
 
 def _library_backward(design: str, *arrays, problem):
     """launch.backward with TILEGYM_BACKWARD set to design ("two-kernel" or "fused")."""
-    saved = os.environ.get("TILEGYM_BACKWARD")
-    os.environ["TILEGYM_BACKWARD"] = design
-    try:
+    with mock.patch.dict(os.environ, TILEGYM_BACKWARD=design):
         return launch.backward(*arrays, problem)
-    finally:
-        if saved is None:
-            del os.environ["TILEGYM_BACKWARD"]
-        else:
-            os.environ["TILEGYM_BACKWARD"] = saved
 
 
 def _cudnn_backward(inputs, d_out, out):
