@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--replot", type=Path, help="only plot and summarize an earlier JSON file")
     args = p.parse_args()
     if args.replot:
-        results = bench_utils.load_json(args.replot)
+        results, _ = bench_utils.load_json(args.replot)
     else:
         shape_list = variant_shapes(args.head_dims, bench_utils.causal_options(args.causal), args.seqlens, args.options)
         started = time.perf_counter()

@@ -470,8 +470,10 @@ def save_json(results: list[Result], path: Path, meta: dict) -> None:
     path.write_text(json.dumps({"meta": meta, "results": [r.to_json() for r in results]}, indent=1))
 
 
-def load_json(path: Path) -> list[Result]:
-    return [Result.from_json(item) for item in json.loads(Path(path).read_text())["results"]]
+def load_json(path: Path) -> tuple[list[Result], dict]:
+    """(results, meta) of a file written by save_json."""
+    document = json.loads(Path(path).read_text())
+    return [Result.from_json(item) for item in document["results"]], document["meta"]
 
 
 def plot(results: list[Result], out_dir: Path, prefix: str) -> list[Path]:
@@ -536,12 +538,12 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
     """first_call: also time the first training step in new processes (tests/benchmark/first_call.py)."""
     args = parser(description, modes).parse_args()
     if args.replot:
-        results = load_json(args.replot)
+        results, meta = load_json(args.replot)
         plots = plot(results, args.out, prefix)
         print(table(results))
         print()
         print(markdown_summary(results))
-        _print_first_call(json.loads(Path(args.replot).read_text())["meta"])
+        _print_first_call(meta)
         print(f"\n{len(plots)} plots in {args.out}")
         return
     meta = _environment()

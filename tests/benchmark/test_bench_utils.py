@@ -69,8 +69,8 @@ def test_bench_table_shows_ratio_and_notes():
 def test_bench_plots_and_json_round_trip(tmp_path):
     results = _synthetic_results()
     bench_utils.save_json(results, tmp_path / "run.json", {"gpu": "synthetic"})
-    loaded = bench_utils.load_json(tmp_path / "run.json")
-    assert loaded == results
+    loaded, meta = bench_utils.load_json(tmp_path / "run.json")
+    assert loaded == results and meta == {"gpu": "synthetic"}
     written = bench_utils.plot(loaded, tmp_path / "plots", "attention_training")
     names = sorted(p.name for p in written)
     assert names == ["attention_training-fwd-d128-causal-bfloat16-GBps.png",
