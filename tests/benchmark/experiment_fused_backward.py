@@ -43,7 +43,6 @@ from tilegym.ops.attention.kernels import (  # noqa: E402
 )
 from tilegym.ops.attention.score_mods import BIAS_NONE  # noqa: E402
 
-LOG2E = 1.4426950408889634
 # The kernels' score-modifier switches (windowed, capped, bias_mode, alibi), all off.
 _NO_MODIFIERS = (False, False, BIAS_NONE, False)
 
@@ -138,7 +137,7 @@ def fused_backward(
     dq_sum = torch.zeros((batch, heads, padded_rows, head_dim), device=q.device, dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     scale = 1 / math.sqrt(head_dim)
-    args = (q, k, v, d_out, lse_base2, delta, dk, dv, dq_sum, scale, scale * LOG2E)
+    args = (q, k, v, d_out, lse_base2, delta, dk, dv, dq_sum, scale, scale * kernels.LOG2E)
     args += (config.block_m, config.block_n, head_dim, causal, staggered, tiled_sum)
     kernel = autotune.with_hints(fused_backward_kernel, config)
     ct.launch(stream, (math.ceil(seqlen / config.block_n), heads, batch), kernel, args)

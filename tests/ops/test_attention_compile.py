@@ -19,27 +19,24 @@ FUSED_KERNELS = (configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED)
 TUNED_HEAD_DIMS = (64, 128)
 
 
+def _bf16_params(arch, kernel, head_dim, chosen):
+    for index, config in enumerate(chosen):
+        for causal in (False, True):
+            yield pytest.param(
+                arch, kernel, ct.bfloat16, head_dim, config, causal,
+                id=f"{arch}-{kernel}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
+            )  # fmt: skip
+
+
 def _compile_matrix():
     for arch in ("sm_90", "sm_100"):
         for kernel in configs.KERNELS:
             for head_dim in configs.HEAD_DIMS:
                 table = configs.candidates(kernel, arch, head_dim, element_size=2)
-                chosen = table if head_dim in TUNED_HEAD_DIMS else table[:1]
-                for index, config in enumerate(chosen):
-                    for causal in (False, True):
-                        yield pytest.param(
-                            arch, kernel, ct.bfloat16, head_dim, config, causal,
-                            id=f"{arch}-{kernel}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
-                        )  # fmt: skip
+                yield from _bf16_params(arch, kernel, head_dim, table if head_dim in TUNED_HEAD_DIMS else table[:1])
     for kernel in FUSED_KERNELS:
         for head_dim in configs.TABLES["sm_90"][kernel]:
-            fused = configs.candidates(kernel, "sm_90", head_dim, element_size=2)
-            for config_index, config in enumerate(fused):
-                for causal in (False, True):
-                    yield pytest.param(
-                        "sm_90", kernel, ct.bfloat16, head_dim, config, causal,
-                        id=f"sm_90-{kernel}-d{head_dim}-cfg{config_index}-{'causal' if causal else 'full'}",
-                    )  # fmt: skip
+            yield from _bf16_params("sm_90", kernel, head_dim, configs.candidates(kernel, "sm_90", head_dim, 2))
     for kernel in configs.KERNELS:
         yield pytest.param("sm_90", kernel, ct.float16, 128, configs.candidates(kernel, "sm_90", 128, 2)[0], True,
                            id=f"sm_90-{kernel}-d128-fp16")  # fmt: skip
