@@ -755,6 +755,7 @@ def attention_backward_dkdv_kernel(
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]
     d_key = ct.zeros((block_n, block_d), acc_dtype)
     d_value = ct.zeros((block_n, block_d), acc_dtype)
+    holds_dq = sum_dq and _holds_dq_share(block_d)
 
     for group_member in range(members):
         q_head = first_q_head + group_member
@@ -763,7 +764,6 @@ def attention_backward_dkdv_kernel(
         )
         # A held dQ share starts as zeros "for" query tile 0, which always exists: the first
         # step adds them there, so no step needs a branch (one spare reduction per head).
-        holds_dq = sum_dq and _holds_dq_share(block_d)
         pending_dq = ct.zeros((block_m, block_d) if holds_dq else (1, 1), acc_dtype)
         state = (d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
         tile = (
