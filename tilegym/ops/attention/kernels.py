@@ -587,9 +587,10 @@ def _dkdv_step(
         raw_t, rows, cols, q_tile, kv_tile, qk_scale_log2, seqlen_q, seqlen_k, k.dtype, mods, switches,
         block_m, block_n, True,
     )  # fmt: skip
-    if block_d > 64:
-        # Wider dK/dV tiles leave no registers to spare at two CTAs per SM: the flushed
-        # exp2's schedule spills there, and it gained nothing at D=128 (perf-notes section 14).
+    if block_d > 64 and not sum_dq:
+        # The D=128 dK/dV kernel runs two CTAs per SM, where the flushed exp2's schedule spills
+        # and gained nothing (perf-notes section 14); the fused kernel, at one CTA per SM,
+        # gains 1-3% from it (section 25).
         probs_t = ct.exp2(scores_t - lse)
     else:
         probs_t = _exp2(scores_t - lse)
