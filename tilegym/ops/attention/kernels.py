@@ -596,7 +596,11 @@ def _dkdv_step(
         probs_t = _exp2(scores_t - lse)
     if masked:
         probs_t = ct.where(_visible(rows, cols, seqlen_q, seqlen_k, causal, mods, switches), probs_t, 0.0)
-    d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
+    # See the second load of Q below; masked steps (few) keep one load: with two, the causal
+    # kernel spilled a register.
+    reload_q = sum_dq and not masked
+    if not reload_q:
+        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
     d_probs_t = ct.mma(v, ct.transpose(d_out), ct.zeros((block_n, block_m), acc_dtype))
     d_scores_t = probs_t * (d_probs_t - delta)
     if bias_grad == BIAS_PER_ROW:
@@ -606,7 +610,16 @@ def _dkdv_step(
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)
     _, capped, _, _ = switches
     d_scores_t = _pre_cap_gradient(d_scores_t, capped_tanh_t, capped).astype(q.dtype)
-    d_key = ct.mma(d_scores_t, q, d_key)
+    if reload_q:
+        # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
+        # stays busy until dK, so the next step's Q could only be loaded while this step
+        # computes dQ, and arrived late (at one CTA per SM nothing covers the wait). Loaded
+        # again for dK, the first buffer is free after K Q^T. dK before dV in the source
+        # keeps the two matmuls issued back to back (perf-notes section 26).
+        d_key = ct.mma(d_scores_t, _load_rows(Q, b, q_head, q_tile, block_m, block_d), d_key)
+        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
+    else:
+        d_key = ct.mma(d_scores_t, q, d_key)
     if sum_dq:
         d_query = ct.mma(ct.transpose(d_scores_t), k, ct.zeros((block_m, block_d), acc_dtype)) * dq_scale
         if _holds_dq_share(block_d):
