@@ -289,6 +289,32 @@ def _one_median_ms(fn, warmup_ms: float, rep_ms: float) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# A cell whose calls take the host at least this share of the measured time per call is
+# marked: do_bench's timing then includes the GPU waiting for launches whenever the host runs
+# slower than usual (its time per call varies by half between moments on one machine).
+HOST_BOUND_SHARE = 0.75
+HOST_TIMED_CALLS = 10
+# Host time is measured only for calls shorter than this: no provider's host path came near it.
+HOST_TIMED_BELOW_MS = 4.0
+
+
+def host_issue_ms(fn, rounds: int = 3) -> float:
+    """Host time to issue one call of fn, in ms: HOST_TIMED_CALLS calls back to back without
+    waiting for the GPU (launches queue), the smallest of `rounds`. When it nears the measured
+    time per call, the measurement is of the launch path rather than of the kernels."""
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(HOST_TIMED_CALLS):
+            fn()
+        times.append((time.perf_counter() - start) / HOST_TIMED_CALLS * 1e3)
+        torch.cuda.synchronize()
+    return min(times)
+
+
 # ---- one measurement ----------------------------------------------------------------------------
 
 
@@ -303,6 +329,13 @@ class Result:
     max_error: float | None = None
     wrong: bool = False
     note: str = ""
+    host_ms: float | None = None  # host time to issue one call (host_issue_ms)
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the host's share of each call is large enough that the timing may include
+        the GPU waiting for launches."""
+        return bool(self.ms and self.host_ms and self.host_ms >= HOST_BOUND_SHARE * self.ms)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -339,13 +372,16 @@ def measure(mode: str, provider: str, shape: Shape, training_forward: bool = Tru
             out = fn(q, k, v)  # warm-up: compiles and tunes outside the timing
             result.max_error = check_output(out, q, k, v, shape, kwargs=kwargs)
             result.wrong = not result.max_error <= WRONG_ABOVE[shape.dtype]
-            if mode == "fwd":
-                result.ms = median_ms(lambda: fn(q, k, v))
-            elif mode == "fwd+bwd":
-                result.ms = median_ms(lambda: torch.autograd.grad(fn(q, k, v), inputs, d_out))
-            else:
+            calls = {
+                "fwd": lambda: fn(q, k, v),
+                "fwd+bwd": lambda: torch.autograd.grad(fn(q, k, v), inputs, d_out),
                 # retain_graph: the same forward graph is differentiated at every repetition.
-                result.ms = median_ms(lambda: torch.autograd.grad(out, inputs, d_out, retain_graph=True))
+                "bwd": lambda: torch.autograd.grad(out, inputs, d_out, retain_graph=True),
+            }
+            call = calls[mode]
+            result.ms = median_ms(call)
+            if result.ms < HOST_TIMED_BELOW_MS:
+                result.host_ms = host_issue_ms(call)
         result.tflops = flops(mode, shape) / (result.ms * 1e-3) / 1e12
         result.gbps = min_bytes(mode, shape, with_lse=training) / (result.ms * 1e-3) / 1e9
     except Unavailable as reason:
@@ -381,10 +417,17 @@ def run_all(modes, providers, shape_list, training_forward: bool = True) -> list
     return results
 
 
+HOST_BOUND_MARK = "*"
+HOST_BOUND_NOTE = (
+    f"{HOST_BOUND_MARK}: issuing one call took the host at least {HOST_BOUND_SHARE:.0%} of the measured time per "
+    "call, so the timing may include the GPU waiting for launches"
+)
+
+
 def _cell(result: Result) -> str:
     if result.tflops is None:
         return "n/a"
-    return f"{result.tflops:.0f}{'(WRONG)' if result.wrong else ''}"
+    return f"{result.tflops:.0f}{HOST_BOUND_MARK if result.host_bound else ''}{'(WRONG)' if result.wrong else ''}"
 
 
 def table(results: list[Result]) -> str:
@@ -407,6 +450,8 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.note:
             notes.setdefault((r.provider, r.shape.series, r.note), []).append(r.shape.seqlen_q)
+    if any(r.host_bound for r in results):
+        lines += ["", HOST_BOUND_NOTE]
     if notes:
         lines += ["", "notes:"]
         for (provider, series, note), seqlens in sorted(notes.items()):
@@ -422,12 +467,14 @@ def markdown_summary(results: list[Result], seqlens=(1024, 4096, 16384), dtype: 
     series_list = sorted({r.shape.series for r in results if r.shape.dtype == dtype and "gqa" not in r.shape.series})
     header = "| D, mask | S | " + " | ".join(f"{m} ours / cuDNN / FA2 (ratio)" for m in modes) + " |"
     lines = [header, "|" + " --- |" * (2 + len(modes))]
+    marked = False
     for series in series_list:
         for seqlen in seqlens:
             cells = []
             for mode in modes:
                 values = [index.get((mode, series, seqlen, p)) for p in ("cutile", "cudnn", "flash")]
-                numbers = [f"{v.tflops:.0f}" if v and v.tflops else "n/a" for v in values]
+                numbers = [_cell(v) if v else "n/a" for v in values]
+                marked = marked or any(v and v.host_bound for v in values)
                 ours, cudnn = values[0], values[1]
                 ratio = (
                     f" ({ours.tflops / cudnn.tflops:.2f}x)" if ours and cudnn and ours.tflops and cudnn.tflops else ""
@@ -435,6 +482,8 @@ def markdown_summary(results: list[Result], seqlens=(1024, 4096, 16384), dtype: 
                 cells.append(" / ".join(numbers) + ratio)
             label = series.replace(f"-{dtype}", "").replace("-", ", ")
             lines.append(f"| {label} | {seqlen} | " + " | ".join(cells) + " |")
+    if marked:
+        lines += ["", HOST_BOUND_NOTE]
     return "\n".join(lines)
 
 

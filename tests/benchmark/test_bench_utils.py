@@ -119,3 +119,22 @@ def test_first_call_reads_the_first_step_of_train_step():
     assert float(first_call._FIRST_STEP.search(output).group(1)) == 8.39
     text = first_call.summary({"shape": first_call.SHAPE, "cold_s": 8.39, "warm_s": 0.207})
     assert "8.4 s with empty caches" in text and "0.21 s with warm caches" in text
+
+
+def test_bench_marks_cells_whose_host_time_nears_the_measured_time():
+    results = _synthetic_results()
+    ours_1024 = next(r for r in results if r.provider == "cutile" and r.shape.seqlen_q == 1024)
+    assert bench_utils.HOST_BOUND_NOTE not in bench_utils.table(results)
+    assert bench_utils.HOST_BOUND_NOTE not in bench_utils.markdown_summary(results, seqlens=(1024,))
+
+    ours_1024.host_ms = 0.5 * ours_1024.ms  # well below: not marked
+    assert not ours_1024.host_bound and "400*" not in bench_utils.markdown_summary(results, seqlens=(1024,))
+    ours_1024.host_ms = bench_utils.HOST_BOUND_SHARE * ours_1024.ms
+    assert ours_1024.host_bound
+    text = bench_utils.table(results)
+    assert bench_utils.HOST_BOUND_NOTE in text and text.count("400*") == 1
+    summary = bench_utils.markdown_summary(results, seqlens=(1024,))
+    assert "| d128, causal | 1024 | 400* / 500 / n/a (0.80x) |" in summary
+    assert bench_utils.HOST_BOUND_NOTE in summary
+    # A marked cell outside the summarized lengths leaves the summary's note out.
+    assert bench_utils.HOST_BOUND_NOTE not in bench_utils.markdown_summary(results, seqlens=(2048,))
