@@ -293,6 +293,11 @@ def _one_median_ms(fn, warmup_ms: float, rep_ms: float) -> float:
 # marked: do_bench's timing then includes the GPU waiting for launches whenever the host runs
 # slower than usual (its time per call varies by half between moments on one machine).
 HOST_BOUND_SHARE = 0.75
+HOST_BOUND_MARK = "*"
+HOST_BOUND_NOTE = (
+    f"{HOST_BOUND_MARK}: issuing one call took the host at least {HOST_BOUND_SHARE:.0%} of the measured time per "
+    "call, so the timing may include the GPU waiting for launches"
+)
 HOST_TIMED_CALLS = 10
 # Host time is measured only for calls shorter than this: no provider's host path came near it.
 HOST_TIMED_BELOW_MS = 4.0
@@ -415,13 +420,6 @@ def run_all(modes, providers, shape_list, training_forward: bool = True) -> list
                 flush=True,
             )
     return results
-
-
-HOST_BOUND_MARK = "*"
-HOST_BOUND_NOTE = (
-    f"{HOST_BOUND_MARK}: issuing one call took the host at least {HOST_BOUND_SHARE:.0%} of the measured time per "
-    "call, so the timing may include the GPU waiting for launches"
-)
 
 
 def _cell(result: Result) -> str:
