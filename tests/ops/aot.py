@@ -18,6 +18,8 @@ from tilegym.ops.attention import configs, kernels
 KERNELS = {
     configs.FORWARD: kernels.attention_forward_kernel,
     configs.FORWARD_LSE: kernels.attention_forward_lse_kernel,
+    configs.FORWARD_FIXED_MAX: kernels.attention_forward_kernel,  # with fixed_max on
+    configs.FORWARD_LSE_FIXED_MAX: kernels.attention_forward_lse_kernel,  # with fixed_max on
     configs.BACKWARD_PREPROCESS: kernels.attention_backward_preprocess_kernel,
     configs.BACKWARD_DKDV: kernels.attention_backward_dkdv_kernel,
     configs.BACKWARD_DQ: kernels.attention_backward_dq_kernel,
@@ -64,6 +66,7 @@ def signature(
         # The dK/dV kernel, fused with dQ; grouped: a program per query head, dK/dV summed too.
         "sum_dq": kernel_name in (configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED),
         "sum_dkdv": kernel_name == configs.BACKWARD_FUSED_GROUPED,
+        "fixed_max": kernel_name in (configs.FORWARD_FIXED_MAX, configs.FORWARD_LSE_FIXED_MAX),
         **(switches or {}),
     }
     params = []

@@ -160,6 +160,39 @@ def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal)
     check_forward_and_backward(Case("fused-auto", 1, 2, 1, seqlen, seqlen, head_dim), torch.bfloat16, causal)
 
 
+FIXED_MAX_HEAD_DIMS = tuple(configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("square", [False, True], ids=["300-queries", "square"])
+@pytest.mark.parametrize("head_dim", FIXED_MAX_HEAD_DIMS)
+def test_op_attention_fixed_max_forward_for_long_sequences(head_dim, square, causal):
+    """Just past the key length from which the forward keeps a fixed row max; odd, so the last
+    tiles are partial."""
+    seqlen_k = configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K[head_dim] + 3
+    case = Case("fixed-max", 1, 2, 1, seqlen_k if square else 300, seqlen_k, head_dim)
+    check_forward_and_backward(case, torch.bfloat16, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", FIXED_MAX_HEAD_DIMS)
+def test_op_attention_fixed_max_forward_recomputes_after_overflow(head_dim, causal):
+    """Keys past the first tile score far above it: probabilities against the first tile's max
+    overflow fp32, so each query tile must be computed again with a running max."""
+    seqlen_k = configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K[head_dim]
+    q, k, v = make_inputs(Case("fixed-max-overflow", 1, 2, 1, 256, seqlen_k, head_dim), torch.bfloat16)
+    k[:, :, :128] *= 0.01
+    k[:, :, 128:] *= 30
+    problem, _ = launch.check_inputs(q, k, v, None, causal)
+    assert launch._fixed_max_forward(problem, launch._Launcher(problem, q.device))
+    ref_out, ref_lse = attention_reference(q.double(), k.double(), v.double(), is_causal=causal)
+    base_out, _ = _sdpa_baseline(q, k, v, torch.randn_like(q), problem.softmax_scale, causal)
+    out, lse = _poisoned_like(q), _poisoned_like(ref_lse, torch.float32)
+    launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse)
+    _assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    assert _max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_op_attention_wide_dtypes(dtype, causal):

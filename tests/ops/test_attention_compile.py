@@ -2,8 +2,8 @@
 
 For each kernel: every config of its sm_90 and sm_100 tables at head dims 64 and 128, and the
 first config at the other head dims, causal and not, in bf16 (fp16 and the fp32/fp64 configs
-at one head dim); and the fused backward's sm_90 configs (plain and grouped), which must add
-their fp32 sums by TMA reductions.
+at one head dim); the fused backward's sm_90 configs (plain and grouped), which must add
+their fp32 sums by TMA reductions; and the sm_90 configs of the forwards with a fixed row max.
 On sm_90 the matrix kernels must use warpgroup MMA (HGMMA) and must not spill registers to
 local memory (LDL/STL): a spill or a fall-back to HMMA is a slowdown that CPU CI can catch.
 """
@@ -16,6 +16,7 @@ from tilegym.ops.attention import configs
 
 MATRIX_KERNELS = (configs.FORWARD, configs.FORWARD_LSE, configs.BACKWARD_DKDV, configs.BACKWARD_DQ)
 FUSED_KERNELS = (configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED)
+FIXED_MAX_KERNELS = (configs.FORWARD_FIXED_MAX, configs.FORWARD_LSE_FIXED_MAX)
 TUNED_HEAD_DIMS = (64, 128)
 
 
@@ -34,7 +35,7 @@ def _compile_matrix():
             for head_dim in configs.HEAD_DIMS:
                 table = configs.candidates(kernel, arch, head_dim, element_size=2)
                 yield from _bf16_params(arch, kernel, head_dim, table if head_dim in TUNED_HEAD_DIMS else table[:1])
-    for kernel in FUSED_KERNELS:
+    for kernel in FUSED_KERNELS + FIXED_MAX_KERNELS:
         for head_dim in configs.TABLES["sm_90"][kernel]:
             yield from _bf16_params("sm_90", kernel, head_dim, configs.candidates(kernel, "sm_90", head_dim, 2))
     for kernel in configs.KERNELS:
@@ -49,7 +50,8 @@ def _compile_matrix():
 def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tmp_path):
     cubin = aot.compile_cubin(kernel, dtype, head_dim, config, causal, arch, tmp_path / "kernel.cubin")
     assert cubin.stat().st_size > 0
-    if arch != "sm_90" or kernel not in (*MATRIX_KERNELS, *FUSED_KERNELS) or dtype not in (ct.float16, ct.bfloat16):
+    matrix_kernels = (*MATRIX_KERNELS, *FUSED_KERNELS, *FIXED_MAX_KERNELS)
+    if arch != "sm_90" or kernel not in matrix_kernels or dtype not in (ct.float16, ct.bfloat16):
         return
     text = aot.sass(cubin)
     assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"

@@ -11,6 +11,7 @@ from tilegym import autotune, tile_fmha, tile_fmha_functional, tile_fmha_with_ba
 from tilegym.autotune import TileConfig
 from tilegym.ops.attention import configs, launch
 from tilegym.ops.attention.reference import attention_naive, attention_reference
+from tilegym.ops.attention.score_mods import ScoreMods
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
@@ -483,3 +484,41 @@ def test_op_backward_choice_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("TILEGYM_BACKWARD", "fast")
     with pytest.raises(ValueError, match="TILEGYM_BACKWARD"):
         launch.backward_choice()
+
+
+# ---- forward with a fixed row max -------------------------------------------------------------
+
+MIN_FIXED_MAX = configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K
+
+
+@pytest.mark.parametrize(
+    "head_dim, seqlen_k, dtype, mods, expected",
+    [
+        (128, MIN_FIXED_MAX[128], torch.bfloat16, None, True),
+        (128, MIN_FIXED_MAX[128] - 1, torch.bfloat16, None, False),  # too few keys
+        (96, MIN_FIXED_MAX[128], torch.float16, None, True),  # on 128-wide tiles
+        (64, MIN_FIXED_MAX[64], torch.bfloat16, None, True),
+        (64, MIN_FIXED_MAX[128], torch.bfloat16, None, False),  # D=64 needs more keys
+        (128, MIN_FIXED_MAX[128], torch.float32, None, False),  # fp32 keeps the running max
+        (128, MIN_FIXED_MAX[128], torch.bfloat16, ScoreMods(softcap=30.0), False),  # modified scores
+        (256, 1 << 16, torch.bfloat16, None, False),  # no table
+    ],
+)
+def test_op_forward_fixed_max_choice(monkeypatch, head_dim, seqlen_k, dtype, mods, expected):
+    """Both forwards switch to the fixed-max kernels together, with fixed_max on in their arguments."""
+    import inspect
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    _RecordingLauncher.launches = []
+    q, k, v = _cpu_inputs(q_shape=(1, 2, 8, head_dim), kv_shape=(1, 2, seqlen_k, head_dim), dtype=dtype)
+    problem = launch.AttentionProblem(1, 2, 2, 8, seqlen_k, head_dim, dtype, 0.1, False, mods or launch.PLAIN)
+    launch.forward(q, k, v, problem, with_lse=True)
+    launch.forward(q, k, v, problem, with_lse=False)
+    names = [name for name, *_ in _RecordingLauncher.launches]
+    if expected:
+        assert names == [configs.FORWARD_LSE_FIXED_MAX, configs.FORWARD_FIXED_MAX]
+    else:
+        assert names == [configs.FORWARD_LSE, configs.FORWARD]
+    for _, kernel, _, args, _ in _RecordingLauncher.launches:
+        values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
+        assert values["fixed_max"] is expected

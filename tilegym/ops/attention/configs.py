@@ -23,6 +23,10 @@ BACKWARD_DQ = "attention_backward_dq"
 # tables only where they were measured to win, and launch.py uses two kernels elsewhere.
 BACKWARD_FUSED = "attention_backward_fused"
 BACKWARD_FUSED_GROUPED = "attention_backward_fused_grouped"
+# The forward kernels with fixed_max on (plain attention, long sequences): likewise not in
+# KERNELS, tables only where they win, used from FIXED_MAX_FORWARD_MIN_SEQLEN_K keys.
+FORWARD_FIXED_MAX = "attention_forward_fixed_max"
+FORWARD_LSE_FIXED_MAX = "attention_forward_lse_fixed_max"
 
 KERNELS = (FORWARD, FORWARD_LSE, BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ)
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
@@ -80,6 +84,13 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # of too unequal lengths (GQA 8, D=128, S=4096: 284 TFLOPS against 375 with a program per
 # query head, section 20). 128x128 spills at D=64 in that form; 64x128 matched it there.
 _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
+# The forward with a fixed row max per query tile (kernels._forward_key_loops) saves a third
+# of the softmax's instructions, but its end-of-tile overflow check costs each program a
+# fixed time, and on two-CTA clusters far more (perf-notes section 28): single CTAs, two per
+# SM, and only where the keys are many: from 4096 at D=128 and 8192 at D=64 (below, the
+# causal forward loses by up to 15%).
+_SM90_FORWARD_FIXED_MAX = {d: [_c(128, 128, num_worker_warps=8, occupancy=2)] for d in (64, 128)}
+FIXED_MAX_FORWARD_MIN_SEQLEN_K = {64: 8192, 128: 4096}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
 _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}
@@ -143,6 +154,8 @@ TABLES = {
         BACKWARD_DQ: _SM80_BACKWARD,
         BACKWARD_FUSED: {},
         BACKWARD_FUSED_GROUPED: {},
+        FORWARD_FIXED_MAX: {},
+        FORWARD_LSE_FIXED_MAX: {},
     },
     "sm_90": {
         FORWARD: _SM90_FORWARD,
@@ -152,6 +165,8 @@ TABLES = {
         BACKWARD_DQ: _SM90_DQ,
         BACKWARD_FUSED: _SM90_FUSED,
         BACKWARD_FUSED_GROUPED: _SM90_FUSED_GROUPED,
+        FORWARD_FIXED_MAX: _SM90_FORWARD_FIXED_MAX,
+        FORWARD_LSE_FIXED_MAX: _SM90_FORWARD_FIXED_MAX,
     },
     "sm_100": {
         FORWARD: _SM100_FORWARD,
@@ -161,6 +176,8 @@ TABLES = {
         BACKWARD_DQ: _SM100_BACKWARD,
         BACKWARD_FUSED: {},
         BACKWARD_FUSED_GROUPED: {},
+        FORWARD_FIXED_MAX: {},
+        FORWARD_LSE_FIXED_MAX: {},
     },
     "sm_120": {
         FORWARD: _SM80_FORWARD,
@@ -170,6 +187,8 @@ TABLES = {
         BACKWARD_DQ: _SM80_BACKWARD,
         BACKWARD_FUSED: {},
         BACKWARD_FUSED_GROUPED: {},
+        FORWARD_FIXED_MAX: {},
+        FORWARD_LSE_FIXED_MAX: {},
     },
 }
 WIDE_TABLE = {
@@ -180,6 +199,8 @@ WIDE_TABLE = {
     BACKWARD_DQ: _WIDE_BACKWARD,
     BACKWARD_FUSED: {},
     BACKWARD_FUSED_GROUPED: {},
+    FORWARD_FIXED_MAX: {},
+    FORWARD_LSE_FIXED_MAX: {},
 }
 
 

@@ -371,6 +371,75 @@ def _forward_loop(
 
 
 @ct.function
+def _forward_loop_fixed_max(first, last, state, tile, block_m: ConstInt, block_n: ConstInt, block_d: ConstInt):
+    """Unmasked steps of plain attention against a fixed row max: no running max, no rescale.
+
+    state's row max (raw units) is that of the first key tile. Later scores may exceed it, so
+    probabilities may exceed 1; fp32 sums and 16-bit P (fp32's exponent range) hold them with
+    the same relative precision until something overflows, which _overflowed tells after the
+    loops.
+    """
+    row_max, row_sum, acc = state
+    q, K, V, b, kv_head, _, _, qk_scale_log2, _, _, _, _ = tile
+    max_log2 = row_max * qk_scale_log2
+    for kv_tile in range(first, last):
+        k = _load_rows(K, b, kv_head, kv_tile, block_n, block_d)
+        raw = ct.mma(q, ct.transpose(k), ct.zeros((block_m, block_n), acc.dtype))
+        probs = _exp2(raw * qk_scale_log2 - max_log2)
+        row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
+        v = _load_rows(V, b, kv_head, kv_tile, block_n, block_d)
+        acc = ct.mma(probs.astype(v.dtype), v, acc)
+    return row_max, row_sum, acc
+
+
+@ct.function
+def _overflowed(state):
+    """Whether a row sum or an accumulator element of a query tile is inf or NaN."""
+    _, row_sum, acc = state
+    bad_sums = ct.sum(ct.where(ct.abs(row_sum) < POS_INF, 0, 1))
+    bad_acc = ct.sum(ct.where(ct.abs(acc) < POS_INF, 0, 1))
+    return bad_sums + bad_acc > 0
+
+
+@ct.function
+def _running_max_loops(
+    num_full, num_end, state, tile, block_m: ConstInt, block_n: ConstInt, block_d: ConstInt, causal: ConstBool
+):
+    """Updates of a query tile with key tiles [0, num_full) unmasked, then [num_full, num_end) masked."""
+    state = _forward_loop(0, num_full, state, tile, block_m, block_n, block_d, causal, False)
+    return _forward_loop(num_full, num_end, state, tile, block_m, block_n, block_d, causal, True)
+
+
+@ct.function
+def _forward_key_loops(
+    num_full,
+    num_end,
+    state,
+    tile,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    block_d: ConstInt,
+    causal: ConstBool,
+    fixed_max: ConstBool,
+):
+    """_running_max_loops, or with fixed_max (plain attention, fp32 accumulators) the unmasked
+    steps after the first against its row max; should anything overflow, the tile is computed
+    again with a running max. The check costs every program a cross-warp reduction."""
+    if fixed_max:
+        first = min(num_full, 1)
+        fast = _forward_loop(0, first, state, tile, block_m, block_n, block_d, causal, False)
+        fast = _forward_loop_fixed_max(first, num_full, fast, tile, block_m, block_n, block_d)
+        fast = _forward_loop(num_full, num_end, fast, tile, block_m, block_n, block_d, causal, True)
+        if _overflowed(fast):
+            state = _running_max_loops(num_full, num_end, state, tile, block_m, block_n, block_d, causal)
+        else:
+            state = fast
+    else:
+        state = _running_max_loops(num_full, num_end, state, tile, block_m, block_n, block_d, causal)
+    return state
+
+
+@ct.function
 def _forward_tile(
     Q,
     K,
@@ -394,6 +463,7 @@ def _forward_tile(
     causal: ConstBool,
     switches,
     write_lse: ConstBool,
+    fixed_max: ConstBool,
 ):
     q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
     seqlen_q = Q.shape[2]
@@ -421,8 +491,7 @@ def _forward_tile(
         state = _forward_loop(full_end, end, state, tile, block_m, block_n, block_d, causal, True)
     else:
         num_full, num_end = _causal_key_tiles(q_tile, seqlen_q, seqlen_k, block_m, block_n, causal)
-        state = _forward_loop(0, num_full, state, tile, block_m, block_n, block_d, causal, False)
-        state = _forward_loop(num_full, num_end, state, tile, block_m, block_n, block_d, causal, True)
+        state = _forward_key_loops(num_full, num_end, state, tile, block_m, block_n, block_d, causal, fixed_max)
     row_max, row_sum, acc = state
 
     # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
@@ -462,12 +531,16 @@ def attention_forward_kernel(
     capped: ConstBool,
     bias_mode: ConstInt,
     alibi: ConstBool,
+    fixed_max: ConstBool,
 ):
-    """Inference forward: out = softmax(q k^T * scale) v, no LSE written."""
+    """Inference forward: out = softmax(q k^T * scale) v, no LSE written.
+
+    fixed_max (plain attention, fp32 accumulators only): see _forward_key_loops.
+    """
     _forward_tile(
         Q, K, V, Out, Out, qk_scale_log2, qk_scale_log2_lo, query_group_size,
         Bias, Slopes, softcap_in, softcap_in_lo, softcap, softcap_lo, window_left, window_right,
-        block_m, block_n, block_d, causal, (windowed, capped, bias_mode, alibi), False,
+        block_m, block_n, block_d, causal, (windowed, capped, bias_mode, alibi), False, fixed_max,
     )  # fmt: skip
 
 
@@ -497,12 +570,13 @@ def attention_forward_lse_kernel(
     capped: ConstBool,
     bias_mode: ConstInt,
     alibi: ConstBool,
+    fixed_max: ConstBool,
 ):
     """Training forward: also writes lse = log(sum_j exp(score_ij)), the backward's statistic."""
     _forward_tile(
         Q, K, V, Out, Lse, qk_scale_log2, qk_scale_log2_lo, query_group_size,
         Bias, Slopes, softcap_in, softcap_in_lo, softcap, softcap_lo, window_left, window_right,
-        block_m, block_n, block_d, causal, (windowed, capped, bias_mode, alibi), True,
+        block_m, block_n, block_d, causal, (windowed, capped, bias_mode, alibi), True, fixed_max,
     )  # fmt: skip
 
 

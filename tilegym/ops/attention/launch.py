@@ -264,11 +264,14 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     qk_scale_log2 = split_float(softmax_scale * LOG2E)
     group = problem.query_group_size
     launcher = _Launcher(problem, device)
+    fixed_max = _fixed_max_forward(problem, launcher)
     if with_lse:
-        name, kernel = configs.FORWARD_LSE, kernels.attention_forward_lse_kernel
+        name = configs.FORWARD_LSE_FIXED_MAX if fixed_max else configs.FORWARD_LSE
+        kernel = kernels.attention_forward_lse_kernel
         outputs = (out, lse)
     else:
-        name, kernel = configs.FORWARD, kernels.attention_forward_kernel
+        name = configs.FORWARD_FIXED_MAX if fixed_max else configs.FORWARD
+        kernel = kernels.attention_forward_kernel
         outputs = (out,)
 
     allowed = not problem.mods.indexes_batch_and_head
@@ -278,11 +281,20 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     def args(config):
         return (
             q, k, v, *outputs, *qk_scale_log2, group, mods.bias, mods.slopes, *mods.values,
-            config.block_m, config.block_n, head_tile, mods.kernel_causal, *mods.switches,
+            config.block_m, config.block_n, head_tile, mods.kernel_causal, *mods.switches, fixed_max,
         )  # fmt: skip
 
     launcher.launch(name, kernel, _sequence_tile_grid(q, problem.seqlen_q, "block_m"), args)
     return out, lse
+
+
+def _fixed_max_forward(problem: AttentionProblem, launcher: "_Launcher") -> bool:
+    """Whether the forward keeps a fixed row max per query tile (kernels._forward_key_loops):
+    plain attention with enough keys for it to win, where the arch has a table for it
+    (16-bit inputs; fp32 and fp64 keep the running max)."""
+    if problem.mods != PLAIN or not launcher.candidates(configs.FORWARD_FIXED_MAX):
+        return False
+    return problem.seqlen_k >= configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K[configs.head_dim_tile(problem.head_dim)]
 
 
 def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mod_tensors=NO_TENSORS, bias_grad=False):
