@@ -522,3 +522,10 @@ def test_op_forward_fixed_max_choice(monkeypatch, head_dim, seqlen_k, dtype, mod
     for _, kernel, _, args, _ in _RecordingLauncher.launches:
         values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
         assert values["fixed_max"] is expected
+
+
+def test_op_fixed_max_thresholds_cover_their_tables():
+    """Every head-dim tile with a fixed-max forward table has a key length to start from."""
+    for arch in configs.ARCHS:
+        for kernel in (configs.FORWARD_FIXED_MAX, configs.FORWARD_LSE_FIXED_MAX):
+            assert set(configs.TABLES[arch][kernel]) <= set(configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K), (arch, kernel)
