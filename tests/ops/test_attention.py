@@ -160,17 +160,32 @@ def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal)
     check_forward_and_backward(Case("fused-auto", 1, 2, 1, seqlen, seqlen, head_dim), torch.bfloat16, causal)
 
 
-FIXED_MAX_HEAD_DIMS = tuple(configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K)
+FIXED_MAX_HEAD_DIMS = tuple(configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS)
+
+
+def _fixed_max_seqlen_k(head_dim, seqlen_q, causal):
+    """An odd key length a little past the one from which the forward keeps a fixed row max
+    (so the last tiles are partial); seqlen_q=None for a square problem."""
+    min_keys = configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[head_dim]
+    if not causal:
+        return min_keys + 3
+    return 2 * min_keys + 3 if seqlen_q is None else min_keys + seqlen_q // 2 + 3
+
+
+def _assert_fixed_max_chosen(q, k, v, causal):
+    problem, _ = launch.check_inputs(q, k, v, None, causal)
+    assert launch._fixed_max_forward(problem, launch._Launcher(problem, q.device))
+    return problem
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("square", [False, True], ids=["300-queries", "square"])
 @pytest.mark.parametrize("head_dim", FIXED_MAX_HEAD_DIMS)
 def test_op_attention_fixed_max_forward_for_long_sequences(head_dim, square, causal):
-    """Just past the key length from which the forward keeps a fixed row max; odd, so the last
-    tiles are partial."""
-    seqlen_k = configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K[head_dim] + 3
+    """Just past the length from which the forward keeps a fixed row max."""
+    seqlen_k = _fixed_max_seqlen_k(head_dim, None if square else 300, causal)
     case = Case("fixed-max", 1, 2, 1, seqlen_k if square else 300, seqlen_k, head_dim)
+    _assert_fixed_max_chosen(*make_inputs(case, torch.bfloat16), causal)
     check_forward_and_backward(case, torch.bfloat16, causal)
 
 
@@ -179,12 +194,11 @@ def test_op_attention_fixed_max_forward_for_long_sequences(head_dim, square, cau
 def test_op_attention_fixed_max_forward_recomputes_after_overflow(head_dim, causal):
     """Keys past the first tile score far above it: probabilities against the first tile's max
     overflow fp32, so each query tile must be computed again with a running max."""
-    seqlen_k = configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K[head_dim]
+    seqlen_k = _fixed_max_seqlen_k(head_dim, 256, causal)
     q, k, v = make_inputs(Case("fixed-max-overflow", 1, 2, 1, 256, seqlen_k, head_dim), torch.bfloat16)
     k[:, :, :128] *= 0.01
     k[:, :, 128:] *= 30
-    problem, _ = launch.check_inputs(q, k, v, None, causal)
-    assert launch._fixed_max_forward(problem, launch._Launcher(problem, q.device))
+    problem = _assert_fixed_max_chosen(q, k, v, causal)
     ref_out, ref_lse = attention_reference(q.double(), k.double(), v.double(), is_causal=causal)
     base_out, _ = _sdpa_baseline(q, k, v, torch.randn_like(q), problem.softmax_scale, causal)
     out, lse = _poisoned_like(q), _poisoned_like(ref_lse, torch.float32)

@@ -488,30 +488,36 @@ def test_op_backward_choice_rejects_unknown_values(monkeypatch):
 
 # ---- forward with a fixed row max -------------------------------------------------------------
 
-MIN_FIXED_MAX = configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K
+MIN_FIXED_MAX = configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
 
 
 @pytest.mark.parametrize(
-    "head_dim, seqlen_k, dtype, mods, expected",
+    "head_dim, seqlen_q, seqlen_k, causal, dtype, mods, expected",
     [
-        (128, MIN_FIXED_MAX[128], torch.bfloat16, None, True),
-        (128, MIN_FIXED_MAX[128] - 1, torch.bfloat16, None, False),  # too few keys
-        (96, MIN_FIXED_MAX[128], torch.float16, None, True),  # on 128-wide tiles
-        (64, MIN_FIXED_MAX[64], torch.bfloat16, None, True),
-        (64, MIN_FIXED_MAX[128], torch.bfloat16, None, False),  # D=64 needs more keys
-        (128, MIN_FIXED_MAX[128], torch.float32, None, False),  # fp32 keeps the running max
-        (128, MIN_FIXED_MAX[128], torch.bfloat16, ScoreMods(softcap=30.0), False),  # modified scores
-        (256, 1 << 16, torch.bfloat16, None, False),  # no table
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, None, True),
+        (128, 8, MIN_FIXED_MAX[128] - 1, False, torch.bfloat16, None, False),  # too few keys
+        (96, 8, MIN_FIXED_MAX[128], False, torch.float16, None, True),  # on 128-wide tiles
+        (64, 8, MIN_FIXED_MAX[64], False, torch.bfloat16, None, True),
+        (64, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, None, False),  # D=64 needs more keys
+        # Causal rows see (seqlen_k - 7 ... seqlen_k) keys, seqlen_k - 3.5 on average.
+        (128, 8, MIN_FIXED_MAX[128] + 3, True, torch.bfloat16, None, False),
+        (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, None, True),
+        # Square causal: (seqlen + 1) / 2 keys on average.
+        (64, 2 * MIN_FIXED_MAX[64] - 2, 2 * MIN_FIXED_MAX[64] - 2, True, torch.bfloat16, None, False),
+        (64, 2 * MIN_FIXED_MAX[64] - 1, 2 * MIN_FIXED_MAX[64] - 1, True, torch.bfloat16, None, True),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.float32, None, False),  # fp32 keeps the running max
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(softcap=30.0), False),  # modified scores
+        (256, 8, 1 << 16, False, torch.bfloat16, None, False),  # no table
     ],
 )
-def test_op_forward_fixed_max_choice(monkeypatch, head_dim, seqlen_k, dtype, mods, expected):
+def test_op_forward_fixed_max_choice(monkeypatch, head_dim, seqlen_q, seqlen_k, causal, dtype, mods, expected):
     """Both forwards switch to the fixed-max kernels together, with fixed_max on in their arguments."""
     import inspect
 
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
-    q, k, v = _cpu_inputs(q_shape=(1, 2, 8, head_dim), kv_shape=(1, 2, seqlen_k, head_dim), dtype=dtype)
-    problem = launch.AttentionProblem(1, 2, 2, 8, seqlen_k, head_dim, dtype, 0.1, False, mods or launch.PLAIN)
+    q, k, v = _cpu_inputs(q_shape=(1, 2, seqlen_q, head_dim), kv_shape=(1, 2, seqlen_k, head_dim), dtype=dtype)
+    problem = launch.AttentionProblem(1, 2, 2, seqlen_q, seqlen_k, head_dim, dtype, 0.1, causal, mods or launch.PLAIN)
     launch.forward(q, k, v, problem, with_lse=True)
     launch.forward(q, k, v, problem, with_lse=False)
     names = [name for name, *_ in _RecordingLauncher.launches]
@@ -528,4 +534,15 @@ def test_op_fixed_max_thresholds_cover_their_tables():
     """Every head-dim tile with a fixed-max forward table has a key length to start from."""
     for arch in configs.ARCHS:
         for kernel in (configs.FORWARD_FIXED_MAX, configs.FORWARD_LSE_FIXED_MAX):
-            assert set(configs.TABLES[arch][kernel]) <= set(configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K), (arch, kernel)
+            assert set(configs.TABLES[arch][kernel]) <= set(configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS), (arch, kernel)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 9), (7, 7), (5, 12), (12, 5), (300, 4099), (4099, 4099)])
+def test_op_mean_keys_per_query_counts_the_causal_mask(seqlen_q, seqlen_k):
+    """The mean of each row's visible keys, counted one row at a time."""
+    problem = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, True)
+    offset = seqlen_k - seqlen_q
+    visible = [min(seqlen_k, max(0, row + offset + 1)) for row in range(seqlen_q)]
+    assert launch.mean_keys_per_query(problem) == pytest.approx(sum(visible) / seqlen_q, rel=1e-12)
+    full = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, False)
+    assert launch.mean_keys_per_query(full) == seqlen_k

@@ -24,7 +24,7 @@ BACKWARD_DQ = "attention_backward_dq"
 BACKWARD_FUSED = "attention_backward_fused"
 BACKWARD_FUSED_GROUPED = "attention_backward_fused_grouped"
 # The forward kernels with fixed_max on (plain attention, long sequences): likewise not in
-# KERNELS, tables only where they win, used from FIXED_MAX_FORWARD_MIN_SEQLEN_K keys.
+# KERNELS, tables only where they win, used from FIXED_MAX_FORWARD_MIN_MEAN_KEYS.
 FORWARD_FIXED_MAX = "attention_forward_fixed_max"
 FORWARD_LSE_FIXED_MAX = "attention_forward_lse_fixed_max"
 
@@ -86,11 +86,11 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
 # The forward with a fixed row max per query tile (kernels._forward_key_loops) saves a third
 # of the softmax's instructions, but its end-of-tile overflow check costs each program a
-# fixed time, and on two-CTA clusters far more (perf-notes section 28): single CTAs, two per
-# SM, and only where the keys are many: from 4096 at D=128 and 8192 at D=64 (below, the
-# causal forward loses by up to 15%).
+# fixed time, and on two-CTA clusters far more (perf-notes sections 28 and 29): single CTAs,
+# two per SM, and only where a query row attends to many keys on average (half of a square
+# causal length): from 2048 at D=128 and 4096 at D=64 (below, up to 10% and 18% slower).
 _SM90_FORWARD_FIXED_MAX = {d: [_c(128, 128, num_worker_warps=8, occupancy=2)] for d in (64, 128)}
-FIXED_MAX_FORWARD_MIN_SEQLEN_K = {64: 8192, 128: 4096}
+FIXED_MAX_FORWARD_MIN_MEAN_KEYS = {64: 4096, 128: 2048}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
 _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}

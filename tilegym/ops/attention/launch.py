@@ -290,11 +290,21 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
 
 def _fixed_max_forward(problem: AttentionProblem, launcher: "_Launcher") -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels._forward_key_loops):
-    plain attention with enough keys for it to win, where the arch has a table for it
+    plain attention with enough keys per query for it to win, where the arch has a table for it
     (16-bit inputs; fp32 and fp64 keep the running max)."""
     if problem.mods != PLAIN or not launcher.candidates(configs.FORWARD_FIXED_MAX):
         return False
-    return problem.seqlen_k >= configs.FIXED_MAX_FORWARD_MIN_SEQLEN_K[configs.head_dim_tile(problem.head_dim)]
+    min_keys = configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.head_dim)]
+    return mean_keys_per_query(problem) >= min_keys
+
+
+def mean_keys_per_query(problem: AttentionProblem) -> float:
+    """Keys a query row attends to, on average; causal rows are aligned at the bottom right, so
+    the last min(seqlen_q, seqlen_k) rows see seqlen_k - seen + 1 up to seqlen_k keys."""
+    if not problem.causal:
+        return problem.seqlen_k
+    seen = min(problem.seqlen_q, problem.seqlen_k)
+    return seen * (2 * problem.seqlen_k - seen + 1) / 2 / problem.seqlen_q
 
 
 def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mod_tensors=NO_TENSORS, bias_grad=False):
