@@ -10,7 +10,7 @@ import torch
 from tilegym import autotune, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.autotune import TileConfig
 from tilegym.ops.attention import configs, launch
-from tilegym.ops.attention.reference import attention_naive, attention_reference
+from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
 from tilegym.ops.attention.score_mods import ScoreMods
 
 
@@ -539,10 +539,9 @@ def test_op_fixed_max_thresholds_cover_their_tables():
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 9), (7, 7), (5, 12), (12, 5), (300, 4099), (4099, 4099)])
 def test_op_mean_keys_per_query_counts_the_causal_mask(seqlen_q, seqlen_k):
-    """The mean of each row's visible keys, counted one row at a time."""
+    """The mean of each row's visible keys under the reference's causal mask."""
     problem = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, True)
-    offset = seqlen_k - seqlen_q
-    visible = [min(seqlen_k, max(0, row + offset + 1)) for row in range(seqlen_q)]
-    assert launch.mean_keys_per_query(problem) == pytest.approx(sum(visible) / seqlen_q, rel=1e-12)
+    visible = causal_mask(seqlen_q, seqlen_k).sum().item()
+    assert launch.mean_keys_per_query(problem) == pytest.approx(visible / seqlen_q, rel=1e-12)
     full = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, False)
     assert launch.mean_keys_per_query(full) == seqlen_k
