@@ -1,11 +1,14 @@
-"""The compiled-kernel cache: a hit skips cuTile's compile, a miss fills it, keys tell configs apart.
+"""The compiled-kernel cache: a hit skips cuTile's compile, a miss fills it, keys tell configs
+apart; a compile started ahead is what the launch gets, and compiles run side by side.
 
 Runs on a machine without a GPU: the kernels are compiled for sm_90 ahead of time.
 """
 
 import os
+import threading
 
 import cuda.tile as ct
+import cuda.tile._compile as cutile_compile
 import pytest
 from cuda.tile._cext import default_tile_context
 from cuda.tile.compilation import CallingConvention, KernelSignature
@@ -37,15 +40,15 @@ def cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def cutile_compiles(monkeypatch):
-    """Counts the compiles that reach cuTile (cache misses)."""
+    """Counts the compiles that reach cuTile (cache misses): each lowers the kernel once."""
     calls = []
-    compile_in_cutile = ct.kernel._compile
+    lower = cutile_compile.compile_tile
 
-    def counting(self, *args, **kwargs):
-        calls.append(args[0])
-        return compile_in_cutile(self, *args, **kwargs)
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return lower(*args, **kwargs)
 
-    monkeypatch.setattr(ct.kernel, "_compile", counting)
+    monkeypatch.setattr(cutile_compile, "compile_tile", counting)
     return calls
 
 
@@ -103,3 +106,54 @@ def test_least_recently_used_entries_are_evicted(cache_dir, cutile_compiles, mon
     assert len(list(cache_dir.glob("*.cubin"))) == 2
     _compile(_doubling_kernel, _signature(16))  # the evicted one compiles again
     assert len(cutile_compiles) == 4
+
+
+@pytest.fixture
+def fresh_ahead(monkeypatch):
+    """An empty table of compiles started ahead, so that each test starts its own."""
+    monkeypatch.setattr(kernel_cache, "_ahead_compiles", {})
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cache-on", "cache-off"])
+def test_a_compile_started_ahead_is_what_the_launch_gets(cache_dir, cutile_compiles, fresh_ahead, monkeypatch, cached):
+    if not cached:
+        monkeypatch.setenv("TILEGYM_KERNEL_CACHE", "0")
+    started = _doubling_kernel.start_compile(_signature(32), SM_90)
+    assert _doubling_kernel.start_compile(_signature(32), SM_90) is started  # once per signature
+    assert _compile(_doubling_kernel, _signature(32))[:2] == started.result()[:2]
+    assert len(cutile_compiles) == 1, "the launch compiled again"
+    _compile(_doubling_kernel, _signature(16))  # another signature is not taken from it
+    assert len(cutile_compiles) == 2
+
+
+def test_a_failed_compile_ahead_is_raised_by_the_launch(cache_dir, fresh_ahead):
+    too_wide = 1 << 30  # a tile no GPU holds
+    started = _doubling_kernel.start_compile(_signature(too_wide), SM_90)
+    first_error = started.exception()
+    assert first_error is not None
+    with pytest.raises(type(first_error)):
+        _compile(_doubling_kernel, _signature(too_wide))
+
+
+def test_the_compiler_lock_is_free_while_tileiras_runs(cache_dir, fresh_ahead, monkeypatch):
+    """cuTile runs every compile under one lock; ours hold it only while lowering, so that
+    kernels compile side by side."""
+    free_while_compiling = []
+    run_tileiras = cutile_compile.compile_cubin
+
+    def checking(*args, **kwargs):
+        other = threading.Thread(target=lambda: free_while_compiling.append(_try_lock()))
+        other.start()
+        other.join()
+        return run_tileiras(*args, **kwargs)
+
+    monkeypatch.setattr(cutile_compile, "compile_cubin", checking)
+    cubin, *_ = _doubling_kernel.start_compile(_signature(8), SM_90).result()
+    assert cubin[:4] == b"\x7fELF" and free_while_compiling == [True]
+
+
+def _try_lock() -> bool:
+    if not cutile_compile._compiler_lock.acquire(blocking=False):
+        return False
+    cutile_compile._compiler_lock.release()
+    return True

@@ -1,16 +1,22 @@
-"""Compiled kernels on disk, found before cuTile rebuilds their bytecode.
+"""Compiled kernels: found on disk before cuTile rebuilds their bytecode, and compiled ahead.
 
-cuTile keys its own disk cache by a kernel's bytecode, so a new process that finds its cubin
-there has already lowered the kernel's Python to bytecode (about 0.6 s per attention kernel)
-and started the compiler to learn its version. This cache is keyed by what decides that
-bytecode instead: the source files of the kernel's package, the signature cuTile specializes
-a launch on (dtypes, constants, alignment facts), the compiler hints, the GPU arch, the
-cuda-tile version, the compiler binary and the CUDA_TILE* environment. So a kernel must call
-only code of its own package and of cuda.tile.
+On disk: cuTile keys its own disk cache by a kernel's bytecode, so a new process that finds
+its cubin there has already lowered the kernel's Python to bytecode (about 0.6 s per attention
+kernel) and started the compiler to learn its version. This cache is keyed by what decides
+that bytecode instead: the source files of the kernel's package, the signature cuTile
+specializes a launch on (dtypes, constants, alignment facts), the compiler hints, the GPU
+arch, the cuda-tile version, the compiler binary and the CUDA_TILE* environment. So a kernel
+must call only code of its own package and of cuda.tile.
 
 Entries live in <autotune.cache_dir()>/kernels, at most _MAX_ENTRIES of them (the least
 recently used go first). TILEGYM_KERNEL_CACHE=0 turns the cache off. Any failure to build a
 key, read or write falls back to cuTile's own path.
+
+Ahead: CachedKernel.compile_ahead starts compiling a kernel for the arguments of a launch to
+come, in a background thread; that launch then waits for the result instead of compiling. A
+compile takes seconds, nearly all of it in the tileiras process, which cuTile runs under
+one lock per process; here the lock is held only while the kernel is lowered to bytecode
+(tenths of a second), so that kernels compile side by side.
 """
 
 import dataclasses
@@ -20,6 +26,9 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -40,12 +49,55 @@ class CachedKernel(ct.kernel):
     """A cuda.tile kernel whose compiled code is looked up in this cache first."""
 
     def _compile(self, signature, context, compute_capability=None):
-        path = _entry_path(self, signature, compute_capability) if enabled() else None
+        ahead = None
+        if _ahead_compiles:
+            ahead, _ = _ahead_compiles.get(_ahead_key(self, signature, compute_capability), (None, None))
+        if ahead is not None:
+            try:
+                return ahead.result(timeout=context.config.compiler_timeout_sec)
+            except Exception:  # failed or late: compiled again below, so that the launch raises the error
+                pass
+        return self._compile_now(signature, context, compute_capability)
+
+    def compile_ahead(self, args, compute_capability=None) -> bool:
+        """Starts compiling the kernel for a launch with these arguments, in a background thread.
+
+        False when no signature could be made of them (the launch compiles as usual).
+        """
+        try:
+            from cuda.tile.compilation import CallingConvention, KernelSignature
+
+            # The convention and the absent symbol of cuTile's own launches (cuda-tile 1.7).
+            convention = CallingConvention.cutile_python_v2()
+            signature = KernelSignature.from_kernel_args(self, args, convention).with_symbol(None)
+            self.start_compile(signature, compute_capability)
+        except Exception as error:
+            logger.debug("no compile ahead: %s", error)
+            return False
+        return True
+
+    def start_compile(self, signature, compute_capability=None) -> Future:
+        """The background compile of one signature, started now unless it already was."""
+        from cuda.tile._cext import default_tile_context
+
+        key = _ahead_key(self, signature, compute_capability)
+        with _ahead_lock:
+            if key not in _ahead_compiles:
+                work = _compile_pool().submit(self._compile_now, signature, default_tile_context, compute_capability)
+                _ahead_compiles[key] = work, self  # the kernel kept alive, so that its id stays its own
+            return _ahead_compiles[key][0]
+
+    def _compile_now(self, signature, context, compute_capability):
+        if not enabled():
+            return super()._compile(signature, context, compute_capability)
+        path = _entry_path(self, signature, compute_capability)
         found = None if path is None else _read(path)
         if found is not None:
             symbol, cubin = found
             return cubin, symbol, None, ()
-        compiled = super()._compile(signature, context, compute_capability)
+        compiled = _compile_outside_lock(self, signature, context, compute_capability)
+        if compiled is None:
+            compiled = super()._compile(signature, context, compute_capability)
         cubin, symbol, _, library_providers = compiled
         if path is not None and not library_providers:  # kernels that need a library set-up are not kept
             _write(path, symbol, cubin)
@@ -54,6 +106,47 @@ class CachedKernel(ct.kernel):
     def replace_hints(self, **hints):
         options = dataclasses.replace(self._compiler_options, **hints)
         return CachedKernel(self._pyfunc, **dataclasses.asdict(options))
+
+
+# Compiles started ahead, by (kernel, signature, arch); kept for the life of the process, as
+# cuTile keeps what it launched: a signature is compiled once.
+_ahead_compiles: dict[tuple, tuple[Future, CachedKernel]] = {}
+_ahead_lock = threading.Lock()
+
+
+def _ahead_key(kernel: CachedKernel, signature, compute_capability) -> tuple:
+    from cuda.tile._cext import get_compute_capability
+
+    return id(kernel), repr(signature), tuple(compute_capability or get_compute_capability())
+
+
+@cache
+def _compile_pool() -> ThreadPoolExecutor:
+    # Each compile is mostly a tileiras process: one thread per core, up to a handful of kernels.
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tilegym-compile")
+
+
+def _compile_outside_lock(kernel: CachedKernel, signature, context, compute_capability):
+    """(cubin, symbol, None, ()) as cuTile's compile makes them, with cuTile's compiler lock
+    held only while lowering to bytecode; None where that cannot be done (a kernel that
+    needs a library set-up, internals of another cuda-tile version): cuTile's own path then."""
+    try:
+        from cuda.tile._cext import get_compute_capability
+        from cuda.tile._compile import compile_cubin, compile_tile, format_sm_arch
+    except ImportError:
+        return None
+    arch = format_sm_arch(*(compute_capability or get_compute_capability()))
+    options = kernel._compiler_options
+    lowered = compile_tile(
+        kernel._annotated_function, (signature,), arch, options, context, return_bytecode=True, return_cubin=False
+    )  # fmt: skip
+    if lowered.library_lifecycle_providers:
+        return None
+    with tempfile.TemporaryDirectory(prefix="tilegym-", dir=context.config.temp_dir) as scratch:
+        bytecode = Path(scratch) / "kernel.bytecode"
+        bytecode.write_bytes(lowered.bytecode)
+        cubin = compile_cubin(str(bytecode), options, arch, context.config.compiler_timeout_sec).read_bytes()
+    return cubin, lowered.kernel_signatures[0].symbol, None, ()
 
 
 def _entry_path(kernel: CachedKernel, signature, compute_capability) -> Path | None:
@@ -131,7 +224,7 @@ def _read(path: Path) -> tuple[str, bytes] | None:
 def _write(path: Path, symbol: str, cubin: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         partial.write_bytes(symbol.encode() + b"\n" + cubin)
         partial.replace(path)  # readers never see half an entry
         _evict(path)
