@@ -213,6 +213,7 @@ def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compi
     """The candidate with the smallest median time; failures are skipped with a warning."""
     import cuda.tile as ct
 
+    _compile_ahead(launch, candidates)  # side by side, while the first ones are timed
     medians = {}
     for config in candidates:
         try:
@@ -258,11 +259,35 @@ def _median_ms(launch: TunedKernel, config: TileConfig, stream) -> float:
 _chosen: dict[tuple, tuple[TileConfig, object]] = {}
 
 
+def _memo_key(launch: TunedKernel, shape_key: str, cache: TuneCache) -> tuple:
+    return launch.name, shape_key, cache.path, autotune_disabled()
+
+
+def compile_ahead(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache) -> None:
+    """Starts compiling, in the background, what launch_tuned will compile for this shape: the
+    chosen config if one is known, else every candidate it will time; nothing once launched."""
+    if _memo_key(launch, shape_key, cache) in _chosen:
+        return
+    if autotune_disabled() or len(candidates) == 1:
+        _compile_ahead(launch, candidates[:1])
+        return
+    cached = cache.get(f"{launch.name}|{shape_key}")
+    _compile_ahead(launch, [cached] if cached in candidates else candidates)
+
+
+def _compile_ahead(launch: TunedKernel, configs: Sequence[TileConfig]) -> None:
+    for config in configs:
+        kernel = with_hints(launch.kernel, config)
+        start = getattr(kernel, "compile_ahead", None)  # kernel_cache.CachedKernel
+        if start is not None:
+            start(launch.args(config))
+
+
 def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream):
     """Choose the config (see choose_config), once per shape key, and launch the kernel with it."""
     import cuda.tile as ct
 
-    memo_key = (launch.name, shape_key, cache.path, autotune_disabled())
+    memo_key = _memo_key(launch, shape_key, cache)
     chosen = _chosen.get(memo_key)
     if chosen is None:
         config = choose_config(launch, candidates, shape_key, cache, stream)

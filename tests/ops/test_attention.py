@@ -330,3 +330,39 @@ def test_op_attention_rejects_mixed_devices():
             tile_fmha(q, k.to("cuda:1"), v)
     # The GPU is still usable after a rejected call.
     assert torch.isfinite(tile_fmha(q, k, v)).all()
+
+
+_SERVED_AHEAD = """
+import json, torch
+from tilegym import kernel_cache, tile_fmha_with_backward
+
+served = []
+compile_for_launch = kernel_cache.CachedKernel._compile
+
+def recording(self, signature, context, compute_capability=None):
+    key = kernel_cache._ahead_key(self, signature, compute_capability)
+    served.append((self._pyfunc.__name__, key in kernel_cache._ahead_compiles))
+    return compile_for_launch(self, signature, context, compute_capability)
+
+kernel_cache.CachedKernel._compile = recording
+q, k, v = (torch.randn(2, 3, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+tile_fmha_with_backward(q, k, v, is_causal=True).sum().backward()
+torch.cuda.synchronize()
+print(json.dumps(served))
+"""
+
+
+def test_op_backward_compiles_during_the_forward(tmp_path):
+    """The training forward starts the backward's compiles (a new process, empty caches): each
+    backward kernel's launch finds its compile started, none compiles from scratch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, TILEGYM_CACHE_DIR=str(tmp_path / "t"), CUDA_TILE_CACHE_DIR=str(tmp_path / "c"))
+    run = subprocess.run([sys.executable, "-c", _SERVED_AHEAD], env=environment, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    served = json.loads(run.stdout.splitlines()[-1])
+    backward = [started for name, started in served if "backward" in name]
+    assert len(backward) >= 3 and all(backward), served  # preprocess, dK/dV, dQ

@@ -9,7 +9,7 @@ import torch
 
 from tilegym import autotune, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.autotune import TileConfig
-from tilegym.ops.attention import configs, launch
+from tilegym.ops.attention import configs, launch, score_mods
 from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
 from tilegym.ops.attention.score_mods import ScoreMods
 
@@ -366,6 +366,7 @@ class _RecordingLauncher:
     """Stands in for launch._Launcher on the CPU: records each launch instead of running it."""
 
     launches: list = []
+    compiled_ahead: list = []
 
     def __init__(self, problem, device):
         self.arch = "sm_90"
@@ -374,11 +375,17 @@ class _RecordingLauncher:
     def candidates(self, name):
         return configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)
 
-    def launch(self, name, kernel, grid, args, reset=None):
-        if reset is not None:
-            reset()
-        config = self.candidates(name)[0]
-        self.launches.append((name, kernel, grid(config), args(config), config))
+    def launch(self, launch):
+        if launch.reset is not None:
+            launch.reset()
+        self.launches.append(self._record(launch))
+
+    def compile_ahead(self, launch):
+        self.compiled_ahead.append(self._record(launch))
+
+    def _record(self, launch):
+        config = self.candidates(launch.name)[0]
+        return launch.name, launch.kernel, launch.grid(config), launch.args(config), config
 
 
 @pytest.mark.parametrize("batch", [1, 3], ids=["batch1", "batch3-folded"])
@@ -484,6 +491,64 @@ def test_op_backward_choice_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("TILEGYM_BACKWARD", "fast")
     with pytest.raises(ValueError, match="TILEGYM_BACKWARD"):
         launch.backward_choice()
+
+
+def _layout(value):
+    """What a launch is compiled for, of one argument: an array's dtype, shape and strides."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, tuple(value.shape), value.stride()
+    return value
+
+
+@pytest.mark.parametrize(
+    "choice, q_heads, bias_grad",
+    [("two-kernel", 4, False), ("fused", 2, False), ("fused", 4, False), ("two-kernel", 4, True)],
+    ids=["two-kernel", "fused", "fused-grouped", "bias-grad"],
+)
+def test_op_backward_compiled_ahead_as_launched(monkeypatch, choice, q_heads, bias_grad):
+    """compile_backward_ahead starts the launches backward() makes, once per problem: the same
+    kernels and grids, arguments of the same dtypes, shapes, strides and constants."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    monkeypatch.setattr(launch, "_compiled_ahead", set())
+    _RecordingLauncher.launches, _RecordingLauncher.compiled_ahead = [], []
+    batch, seqlen_q, seqlen_k = 3, 40, 24
+    # [B, S, H, D] views, as a model hands them over.
+    q = torch.randn(batch, seqlen_q, q_heads, 64, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(batch, seqlen_k, 2, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    mods, tensors = launch.PLAIN, launch.NO_TENSORS
+    if bias_grad:
+        bias = torch.randn(q_heads, seqlen_q, seqlen_k, dtype=torch.bfloat16)
+        mode, kernel_bias = score_mods.check_bias(bias, q, seqlen_k, q_heads)
+        mods, tensors = ScoreMods(bias_mode=mode, bias_shape=tuple(bias.shape)), score_mods.ModTensors(kernel_bias)
+    problem = launch.AttentionProblem(batch, q_heads, 2, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.125, True, mods)
+    for _ in range(2):
+        launch.compile_backward_ahead(q, k, v, problem, tensors, bias_grad)
+    out, lse = torch.randn(batch, q_heads, seqlen_q, 64, dtype=torch.bfloat16), torch.randn(batch, q_heads, seqlen_q)
+    launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=bias_grad)
+
+    ahead, launched = _RecordingLauncher.compiled_ahead, _RecordingLauncher.launches
+    assert len(launched) == (2 if choice == "fused" else 3)
+    for started, made in zip(ahead, launched, strict=True):
+        (name, kernel, grid, args, _), (made_name, made_kernel, made_grid, made_args, _) = started, made
+        assert (name, kernel, grid) == (made_name, made_kernel, made_grid)
+        assert [_layout(a) for a in args] == [_layout(a) for a in made_args], name
+
+
+def test_op_backward_not_compiled_ahead_without_memory_for_stand_ins(monkeypatch):
+    """Compiling ahead is only a head start: when its stand-in tensors do not fit, the forward goes on."""
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("no memory for stand-ins")
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    monkeypatch.setattr(launch, "_compiled_ahead", set())
+    monkeypatch.setattr(launch, "_gradients", out_of_memory)
+    _RecordingLauncher.compiled_ahead = []
+    q, k, v = _cpu_inputs()
+    problem = launch.AttentionProblem(1, 4, 2, 16, 16, 64, torch.bfloat16, 0.125, True)
+    launch.compile_backward_ahead(q, k, v, problem)
+    assert _RecordingLauncher.compiled_ahead == []
 
 
 # ---- forward with a fixed row max -------------------------------------------------------------

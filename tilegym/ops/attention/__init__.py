@@ -51,6 +51,10 @@ def tile_fmha_with_backward(
     problem, mod_tensors = launch.check_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
     )
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_bias)):
+        # The backward's kernels compile in the background while the forward's kernel compiles.
+        bias_grad = attn_bias is not None and attn_bias.requires_grad
+        launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad)
     return AttentionFunction.apply(q, k, v, attn_bias, problem, mod_tensors)
 
 

@@ -195,9 +195,11 @@ class _Launcher:
         modified = problem.mods != PLAIN
         return configs.candidates(kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, modified)
 
-    def launch(self, name: str, kernel, grid, args, reset=None) -> None:
-        launch = autotune.TunedKernel(name, kernel, grid, args, reset)
-        autotune.launch_tuned(launch, self.candidates(name), self.shape_key, self.cache, self.stream)
+    def launch(self, launch: autotune.TunedKernel) -> None:
+        autotune.launch_tuned(launch, self.candidates(launch.name), self.shape_key, self.cache, self.stream)
+
+    def compile_ahead(self, launch: autotune.TunedKernel) -> None:
+        autotune.compile_ahead(launch, self.candidates(launch.name), self.shape_key, self.cache)
 
 
 def _sequence_tile_grid(rows: torch.Tensor, seqlen: int, block: str):
@@ -284,7 +286,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
             config.block_m, config.block_n, head_tile, mods.kernel_causal, *mods.switches, fixed_max,
         )  # fmt: skip
 
-    launcher.launch(name, kernel, _sequence_tile_grid(q, problem.seqlen_q, "block_m"), args)
+    launcher.launch(autotune.TunedKernel(name, kernel, _sequence_tile_grid(q, problem.seqlen_q, "block_m"), args))
     return out, lse
 
 
@@ -313,42 +315,88 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     grads, a (dq, dk, dv) of contiguous tensors, may be given to be written in place.
     d_bias (with bias_grad) is the gradient of the caller's attn_bias, else None.
     """
-    from tilegym.ops.attention import kernels
-
-    if grads is None:
-        grads = tuple([torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)])
-    dq, dk, dv = grads
-    mods = problem.mods
-    bias_grad = bias_grad and mods.bias_mode != BIAS_NONE
-    d_bias = None
-    if bias_grad:
-        rows = 1 if mods.bias_mode == score_mods.BIAS_ONE_ROW else problem.seqlen_q
-        shape = (problem.batch, problem.q_heads, rows, problem.seqlen_k)
-        # A bias of that very shape takes the kernel's output as is, in its own dtype; a
-        # broadcast one is summed afterwards, from fp32 (fp64) partial sums.
-        if score_mods.padded_shape(mods.bias_shape) == shape:
-            dtype = mod_tensors.bias.dtype
-        else:
-            dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-        # Zeros where a mask or window skips tiles, which the kernel never writes.
-        skips_tiles = mods.bias_mode == score_mods.BIAS_PER_ROW and (problem.causal or mods.window is not None)
-        d_bias = (torch.zeros if skips_tiles else torch.empty)(shape, dtype=dtype, device=q.device)
-    if problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0:
+    dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
+    if _backward_is_empty(problem):
         for gradient in (dq, dk, dv, d_bias):
             if gradient is not None:
                 gradient.zero_()
-        return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)
+        return dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors)
+    launcher = _Launcher(problem, q.device)
+    steps, targets = _backward_steps(launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors)
+    # Everything is prepared before the first launch: the preprocess is short, and host work
+    # between launches would leave the GPU idle after it.
+    for step in steps:
+        launcher.launch(step)
+    if targets.dq is not dq:  # the fused backward summed into fp32 targets
+        targets.copy_to(dq, dk, dv, problem)
+    return dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors)
 
+
+_compiled_ahead: set[tuple] = set()
+
+
+def compile_backward_ahead(q, k, v, problem: AttentionProblem, mod_tensors=NO_TENSORS, bias_grad=False) -> None:
+    """Starts compiling, in background threads, the kernels backward() will launch for this
+    problem (autotune.compile_ahead), once per problem: the training forward calls it first, so
+    that the backward's compiles run alongside its own. Its tensors are stand-ins shaped and
+    laid out like the backward's (a contiguous out and d_out), dropped on return; where they do
+    not fit in memory, nothing is started."""
+    key = (problem, q.device, bias_grad)
+    if key in _compiled_ahead or _backward_is_empty(problem):
+        return
+    _compiled_ahead.add(key)
+    launcher = _Launcher(problem, q.device)
+    try:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = _row_stat(problem, q.device)
+        dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
+        steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors)
+    except torch.cuda.OutOfMemoryError:
+        return
+    for step in steps:
+        launcher.compile_ahead(step)
+
+
+def _backward_is_empty(problem: AttentionProblem) -> bool:
+    return problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0
+
+
+def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensors, bias_grad: bool):
+    """(dq, dk, dv, d_bias) to write: grads or new tensors; d_bias None without a bias gradient."""
+    if grads is None:
+        grads = tuple([torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)])
+    mods = problem.mods
+    if not bias_grad or mods.bias_mode == BIAS_NONE:
+        return (*grads, None)
+    rows = 1 if mods.bias_mode == score_mods.BIAS_ONE_ROW else problem.seqlen_q
+    shape = (problem.batch, problem.q_heads, rows, problem.seqlen_k)
+    # A bias of that very shape takes the kernel's output as is, in its own dtype; a
+    # broadcast one is summed afterwards, from fp32 (fp64) partial sums.
+    if score_mods.padded_shape(mods.bias_shape) == shape:
+        dtype = mod_tensors.bias.dtype
+    else:
+        dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+    # Zeros where a mask or window skips tiles, which the kernel never writes.
+    skips_tiles = mods.bias_mode == score_mods.BIAS_PER_ROW and (problem.causal or mods.window is not None)
+    d_bias = (torch.zeros if skips_tiles else torch.empty)(shape, dtype=dtype, device=q.device)
+    return (*grads, d_bias)
+
+
+def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors):
+    """The backward's launches, in order, and where they write dQ, dK and dV."""
+    from tilegym.ops.attention import kernels
+
+    problem = launcher.problem
+    mods = problem.mods
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
     head_tile = configs.head_dim_tile(problem.head_dim)
     scale = split_float(problem.softmax_scale)
     qk_scale_log2 = split_float(problem.softmax_scale * LOG2E)
     group = problem.query_group_size
     device = q.device
-    launcher = _Launcher(problem, device)
 
     delta, lse_base2 = _row_stat(problem, device), _row_stat(problem, device)
-    fused = _fused_backward(problem, launcher, bias_grad)
+    fused = _fused_backward(problem, launcher, d_bias is not None)
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
     targets = _fused_targets(problem, launcher, fused, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
@@ -358,7 +406,7 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     )  # fmt: skip
     q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_ = folded
     mod_args = _ModArgs(problem, mod_tensors, q)
-    bias_grad_mode = mods.bias_mode if bias_grad else BIAS_NONE
+    bias_grad_mode = BIAS_NONE if d_bias is None else mods.bias_mode
 
     def writing(gradients, extra_arrays=(), extra_switches=()):
         """Arguments of the dK/dV and dQ kernels, which differ in the gradients they write."""
@@ -374,22 +422,22 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     dkdv_gradients = (dk_, dv_, dq_ if fused else q)
     switches = (bias_grad_mode, fused is not None, targets.grouped)
     dkdv_args = writing(dkdv_gradients, (q if d_bias is None else d_bias,), switches)
-    dq_args = writing((dq_,))
-    # Everything is prepared before the first launch: the preprocess is short, and host work
-    # between launches would leave the GPU idle after it.
-    launcher.launch(
+    preprocess = autotune.TunedKernel(
         configs.BACKWARD_PREPROCESS,
         kernels.attention_backward_preprocess_kernel,
         query_tiles,
         lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
     )
     if fused:
-        launcher.launch(fused, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, reset=targets.zero)
-        targets.copy_to(dq, dk, dv, problem)
-    else:
-        launcher.launch(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
-        launcher.launch(configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, dq_args)
-    return dq, dk, dv, _caller_bias_grad(d_bias, mods, mod_tensors)
+        dkdv_dq = autotune.TunedKernel(
+            fused, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, targets.zero
+        )
+        return (preprocess, dkdv_dq), targets
+    dkdv = autotune.TunedKernel(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
+    dq_step = autotune.TunedKernel(
+        configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, writing((dq_,))
+    )
+    return (preprocess, dkdv, dq_step), targets
 
 
 _BACKWARD_CHOICES = ("auto", "fused", "two-kernel")
