@@ -177,6 +177,20 @@ def with_hints(kernel, config: TileConfig):
     return _hinted[key]
 
 
+def _known_choice(
+    launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache
+) -> TileConfig | None:
+    """The default (tuning disabled, a single candidate) or the cached choice; None: tune."""
+    if autotune_disabled() or len(candidates) == 1:
+        return candidates[0]
+    cached = cache.get(_tune_key(launch, shape_key))
+    return cached if cached in candidates else None
+
+
+def _tune_key(launch: TunedKernel, shape_key: str) -> str:
+    return f"{launch.name}|{shape_key}"
+
+
 def choose_config(
     launch: TunedKernel,
     candidates: Sequence[TileConfig],
@@ -186,19 +200,16 @@ def choose_config(
     compile_timeout_sec: float = 120.0,
 ) -> TileConfig:
     """The config to launch with: default, cached, or freshly tuned."""
-    if autotune_disabled() or len(candidates) == 1:
-        return candidates[0]
-    key = f"{launch.name}|{shape_key}"
-    cached = cache.get(key)
-    if cached is not None and cached in candidates:
-        return cached
+    known = _known_choice(launch, candidates, shape_key, cache)
+    if known is not None:
+        return known
     started = time.perf_counter()
     best = _search(launch, candidates, stream, compile_timeout_sec)
     elapsed = time.perf_counter() - started
     _progress(
         f"tuned {launch.name} for {shape_key}: {len(candidates)} configs in {elapsed:.1f} s, chose {best.to_json()}"
     )
-    cache.put(key, best)
+    cache.put(_tune_key(launch, shape_key), best)
     return best
 
 
@@ -268,11 +279,8 @@ def compile_ahead(launch: TunedKernel, candidates: Sequence[TileConfig], shape_k
     chosen config if one is known, else every candidate it will time; nothing once launched."""
     if _memo_key(launch, shape_key, cache) in _chosen:
         return
-    if autotune_disabled() or len(candidates) == 1:
-        _compile_ahead(launch, candidates[:1])
-        return
-    cached = cache.get(f"{launch.name}|{shape_key}")
-    _compile_ahead(launch, [cached] if cached in candidates else candidates)
+    known = _known_choice(launch, candidates, shape_key, cache)
+    _compile_ahead(launch, candidates if known is None else [known])
 
 
 def _compile_ahead(launch: TunedKernel, configs: Sequence[TileConfig]) -> None:

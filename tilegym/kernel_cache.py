@@ -49,9 +49,7 @@ class CachedKernel(ct.kernel):
     """A cuda.tile kernel whose compiled code is looked up in this cache first."""
 
     def _compile(self, signature, context, compute_capability=None):
-        ahead = None
-        if _ahead_compiles:
-            ahead, _ = _ahead_compiles.get(_ahead_key(self, signature, compute_capability), (None, None))
+        ahead = _ahead_compiles.get(_ahead_key(self, signature, compute_capability)) if _ahead_compiles else None
         if ahead is not None:
             try:
                 return ahead.result(timeout=context.config.compiler_timeout_sec)
@@ -59,11 +57,9 @@ class CachedKernel(ct.kernel):
                 pass
         return self._compile_now(signature, context, compute_capability)
 
-    def compile_ahead(self, args, compute_capability=None) -> bool:
-        """Starts compiling the kernel for a launch with these arguments, in a background thread.
-
-        False when no signature could be made of them (the launch compiles as usual).
-        """
+    def compile_ahead(self, args, compute_capability=None) -> None:
+        """Starts compiling the kernel for a launch with these arguments, in a background thread;
+        nothing when no signature can be made of them (the launch compiles as usual)."""
         try:
             from cuda.tile.compilation import CallingConvention, KernelSignature
 
@@ -73,8 +69,6 @@ class CachedKernel(ct.kernel):
             self.start_compile(signature, compute_capability)
         except Exception as error:
             logger.debug("no compile ahead: %s", error)
-            return False
-        return True
 
     def start_compile(self, signature, compute_capability=None) -> Future:
         """The background compile of one signature, started now unless it already was."""
@@ -84,8 +78,8 @@ class CachedKernel(ct.kernel):
         with _ahead_lock:
             if key not in _ahead_compiles:
                 work = _compile_pool().submit(self._compile_now, signature, default_tile_context, compute_capability)
-                _ahead_compiles[key] = work, self  # the kernel kept alive, so that its id stays its own
-            return _ahead_compiles[key][0]
+                _ahead_compiles[key] = work
+            return _ahead_compiles[key]
 
     def _compile_now(self, signature, context, compute_capability):
         if not enabled():
@@ -110,14 +104,14 @@ class CachedKernel(ct.kernel):
 
 # Compiles started ahead, by (kernel, signature, arch); kept for the life of the process, as
 # cuTile keeps what it launched: a signature is compiled once.
-_ahead_compiles: dict[tuple, tuple[Future, CachedKernel]] = {}
+_ahead_compiles: dict[tuple, Future] = {}
 _ahead_lock = threading.Lock()
 
 
 def _ahead_key(kernel: CachedKernel, signature, compute_capability) -> tuple:
     from cuda.tile._cext import get_compute_capability
 
-    return id(kernel), repr(signature), tuple(compute_capability or get_compute_capability())
+    return kernel, repr(signature), tuple(compute_capability or get_compute_capability())  # kernels hash by identity
 
 
 @cache

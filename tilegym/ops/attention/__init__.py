@@ -51,7 +51,7 @@ def tile_fmha_with_backward(
     problem, mod_tensors = launch.check_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
     )
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_bias)):
+    if _needs_grad(q, k, v, attn_bias):
         # The backward's kernels compile in the background while the forward's kernel compiles.
         bias_grad = attn_bias is not None and attn_bias.requires_grad
         launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad)
@@ -66,10 +66,14 @@ def tile_fmha_functional(q, k, v, scaling=None, is_causal=True, training=None, *
     if unknown:
         raise TypeError(f"tile_fmha_functional got unexpected keyword arguments: {', '.join(sorted(unknown))}")
     if training is None:
-        tensors = [t for t in (q, k, v, score_mods.get("attn_bias")) if isinstance(t, torch.Tensor)]
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        training = _needs_grad(q, k, v, score_mods.get("attn_bias"))
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
     if training:
         return tile_fmha_with_backward(q, k, v, scaling, is_causal, **score_mods)
     return tile_fmha(q, k, v, scaling, is_causal, **score_mods)
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd will want a gradient of any of these (non-tensors are skipped)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
