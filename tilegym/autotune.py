@@ -243,11 +243,14 @@ def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compi
 
 
 def _median_ms(launch: TunedKernel, config: TileConfig, stream) -> float:
-    """Median time of one launch in ms, on a torch CUDA stream."""
+    """Median time of one launch in ms, on a torch CUDA stream or a stream handle."""
     import cuda.tile as ct
     import torch
 
     grid, kernel, args = launch.grid(config), with_hints(launch.kernel, config), launch.args(config)
+    if isinstance(stream, int):  # events record on torch streams; the launch's tensors name the device
+        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+        stream = torch.cuda.ExternalStream(stream, device=device)
 
     def timed_runs(count: int) -> list[float]:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]

@@ -160,6 +160,37 @@ def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal)
     check_forward_and_backward(Case("fused-auto", 1, 2, 1, seqlen, seqlen, head_dim), torch.bfloat16, causal)
 
 
+@pytest.mark.parametrize("backward", ["two-kernel", "fused"])
+def test_op_attention_runs_on_the_current_stream(backward, monkeypatch):
+    """Kernels are queued on the caller's current stream: behind a long sleep on a side stream,
+    the outputs are still unwritten when the default stream is done, and right once the side
+    stream is."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", backward)
+    q, k, v = make_inputs(Case("side-stream", 2, 4, 2, 200, 300, 64), torch.bfloat16)
+    problem, _ = launch.check_inputs(q, k, v, None, True)
+    d_out = torch.randn_like(q)
+    base_out, base_grads = _sdpa_baseline(q, k, v, d_out, problem.softmax_scale, True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = attention_reference(*ref_inputs, is_causal=True)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, d_out.double())
+    out, lse = _poisoned_like(q), torch.full(q.shape[:3], math.nan, device=q.device)
+    grads = tuple(_poisoned_like(t) for t in (q, k, v))
+    launch.backward(d_out, q, k, v, *launch.forward(q, k, v, problem, with_lse=True), problem)  # compiles
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s
+        launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse)
+        launch.backward(d_out, q, k, v, out, lse, problem, grads=grads)
+    seen_early = [t.clone() for t in (out, *grads)]  # on the default stream, which does not wait
+    side.synchronize()
+    assert all(t.isnan().all() for t in seen_early), "a kernel ran outside the current stream"
+    for name, ours, base, ref in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (base_out, *base_grads), (ref_out, *ref_grads), strict=True
+    ):
+        _assert_close_to_reference(name, ours, base, ref, torch.bfloat16)
+
+
 FIXED_MAX_HEAD_DIMS = tuple(configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS)
 
 

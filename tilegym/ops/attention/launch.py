@@ -155,10 +155,12 @@ def fold_batch_into_heads(*tensors: torch.Tensor, allowed: bool = True) -> tuple
     batch = tensors[0].shape[0]
     if not allowed or batch <= 1:
         return tensors
-    for t in tensors:  # contiguous (the outputs and row statistics we allocate) needs no stride check
-        if batch * t.shape[1] > _MAX_GRID_YZ or not (t.is_contiguous() or t.stride(0) == t.shape[1] * t.stride(1)):
+    shapes = [t.shape for t in tensors]  # each read once: a shape costs as much as a small torch call
+    for t, (_, heads, *_) in zip(tensors, shapes, strict=True):
+        # contiguous (the outputs and row statistics we allocate) needs no stride check
+        if batch * heads > _MAX_GRID_YZ or not (t.is_contiguous() or t.stride(0) == heads * t.stride(1)):
             return tensors
-    return tuple([t.view(1, batch * t.shape[1], *t.shape[2:]) for t in tensors])
+    return tuple([t.view(1, batch * heads, *rest) for t, (_, heads, *rest) in zip(tensors, shapes, strict=True)])
 
 
 def _row_stat(problem: AttentionProblem, device) -> torch.Tensor:
@@ -181,6 +183,23 @@ def _launch_facts(problem: AttentionProblem, device_index: int) -> tuple[str, st
     return device_name, arch, cutile_version, problem.shape_key(arch)
 
 
+def _stream_handle_by_accelerator(device_index: int | None) -> int:
+    return torch.accelerator.current_stream(device_index).native_handle
+
+
+def _stream_handle_by_cuda_stream(device_index: int | None) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# ct.launch takes a stream's handle as well as a torch stream; a torch.cuda.Stream object costs
+# about 6 us of host time to make, torch.accelerator's generic one about 1.5 (torch >= 2.6).
+current_stream_handle = (
+    _stream_handle_by_accelerator
+    if hasattr(torch, "accelerator") and hasattr(torch.Stream, "native_handle")
+    else _stream_handle_by_cuda_stream
+)
+
+
 class _Launcher:
     """Launches one attention kernel with the config chosen for the problem's shape."""
 
@@ -188,7 +207,7 @@ class _Launcher:
         self.problem = problem
         self.device_name, self.arch, cutile_version, self.shape_key = _launch_facts(problem, device.index or 0)
         self.cache = autotune.tune_cache(self.device_name, cutile_version)
-        self.stream = torch.cuda.current_stream(device)
+        self.stream = current_stream_handle(device.index)
 
     def candidates(self, kernel_name: str):
         problem = self.problem
