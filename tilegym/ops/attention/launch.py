@@ -155,7 +155,7 @@ def fold_batch_into_heads(*tensors: torch.Tensor, allowed: bool = True) -> tuple
     batch = tensors[0].shape[0]
     if not allowed or batch <= 1:
         return tensors
-    shapes = [t.shape for t in tensors]  # each read once: a shape costs as much as a small torch call
+    shapes = [t.shape for t in tensors]  # read once each: every read builds a torch.Size
     for t, (_, heads, *_) in zip(tensors, shapes, strict=True):
         # contiguous (the outputs and row statistics we allocate) needs no stride check
         if batch * heads > _MAX_GRID_YZ or not (t.is_contiguous() or t.stride(0) == heads * t.stride(1)):
