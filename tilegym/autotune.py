@@ -243,14 +243,14 @@ def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compi
 
 
 def _median_ms(launch: TunedKernel, config: TileConfig, stream) -> float:
-    """Median time of one launch in ms, on a torch CUDA stream or a stream handle."""
+    """Median time of one launch in ms, on the CUDA stream with this handle."""
     import cuda.tile as ct
     import torch
 
     grid, kernel, args = launch.grid(config), with_hints(launch.kernel, config), launch.args(config)
-    if isinstance(stream, int):  # events record on torch streams; the launch's tensors name the device
-        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
-        stream = torch.cuda.ExternalStream(stream, device=device)
+    # Timing events record on torch streams; the launch's tensors name the stream's device.
+    device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+    stream = torch.cuda.ExternalStream(stream, device=device)
 
     def timed_runs(count: int) -> list[float]:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
@@ -294,8 +294,9 @@ def _compile_ahead(launch: TunedKernel, configs: Sequence[TileConfig]) -> None:
             start(launch.args(config))
 
 
-def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream):
-    """Choose the config (see choose_config), once per shape key, and launch the kernel with it."""
+def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream: int):
+    """Choose the config (see choose_config), once per shape key, and launch the kernel with it
+    on the CUDA stream with this handle (an int, as ct.launch takes it)."""
     import cuda.tile as ct
 
     memo_key = _memo_key(launch, shape_key, cache)
