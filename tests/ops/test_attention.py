@@ -396,4 +396,4 @@ def test_op_backward_compiles_during_the_forward(tmp_path):
     assert run.returncode == 0, run.stderr
     served = json.loads(run.stdout.splitlines()[-1])
     backward = [started for name, started in served if "backward" in name]
-    assert len(backward) >= 3 and all(backward), served  # preprocess, dK/dV, dQ
+    assert len(backward) >= 2 and all(backward), served  # dQ and dK/dV (two kernels at this length)

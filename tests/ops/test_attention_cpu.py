@@ -404,11 +404,12 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
 
     arrays = {"Q": q, "K": k, "V": v, "Out": out, "Lse": lse, "dOut": d_out, "dQ": dq, "dK": dk, "dV": dv}
     launched = [name for name, *_ in _RecordingLauncher.launches]
-    assert launched == [configs.FORWARD_LSE, configs.FORWARD, *configs.KERNELS[2:]]
+    assert launched == [configs.FORWARD_LSE, configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
+    values_of = {}
     for name, kernel, grid, args, config in _RecordingLauncher.launches:
         parameters = list(inspect.signature(kernel._pyfunc).parameters)
         assert len(args) == len(parameters), name
-        values = dict(zip(parameters, args, strict=True))
+        values = values_of[name] = dict(zip(parameters, args, strict=True))
         expected = arrays | ({"Out": inference_out} if name == configs.FORWARD else {})
         for parameter, value in values.items():
             if parameter in expected:
@@ -418,6 +419,10 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
         assert values.get("causal", True) is True and values.get("query_group_size", 2) == 2
         heads = 2 if name == configs.BACKWARD_DKDV else 4
         assert grid[1:] == ((batch * heads, 1) if batch > 1 else (heads, 1)), name
+    # The dK/dV kernel reads the row statistics the dQ kernel wrote.
+    for stat in ("Delta", "LseBase2"):
+        written, read = values_of[configs.BACKWARD_DQ][stat], values_of[configs.BACKWARD_DKDV][stat]
+        assert written.data_ptr() == read.data_ptr() and written.shape == read.shape == (1, batch * 4, 40), stat
 
 
 # ---- fused backward ---------------------------------------------------------------------------
@@ -483,7 +488,8 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     monkeypatch.setenv("TILEGYM_BACKWARD", choice)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     names, _, _ = _recorded_backward(monkeypatch, seqlen, head_dim, q_heads, batch=1, causal=causal)
-    two_kernels = [configs.BACKWARD_PREPROCESS, configs.BACKWARD_DKDV, configs.BACKWARD_DQ]
+    # Two kernels: the dQ kernel writes the row statistics the dK/dV kernel reads, so it runs first.
+    two_kernels = [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
     assert names == ([configs.BACKWARD_PREPROCESS, expected] if expected else two_kernels)
 
 
@@ -528,7 +534,7 @@ def test_op_backward_compiled_ahead_as_launched(monkeypatch, choice, q_heads, bi
     launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=bias_grad)
 
     ahead, launched = _RecordingLauncher.compiled_ahead, _RecordingLauncher.launches
-    assert len(launched) == (2 if choice == "fused" else 3)
+    assert len(launched) == 2  # preprocess and fused kernel, or dQ then dK/dV
     for started, made in zip(ahead, launched, strict=True):
         (name, kernel, grid, args, _), (made_name, made_kernel, made_grid, made_args, _) = started, made
         assert (name, kernel, grid) == (made_name, made_kernel, made_grid)

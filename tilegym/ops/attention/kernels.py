@@ -584,28 +584,37 @@ def attention_forward_lse_kernel(
     )  # fmt: skip
 
 
-@CachedKernel
-def attention_backward_preprocess_kernel(
-    Out, dOut, Lse, Delta, LseBase2, block_m: ConstInt, block_d: ConstInt
-):  # fmt: skip
-    """The per-row statistics of the dK/dV and dQ kernels, in fp32 (fp64 for fp64 inputs):
-    Delta_i = sum_d Out_id * dOut_id, and the LSE in base 2.
+@ct.function
+def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt):
+    """The per-row statistics of the dK/dV and dQ kernels for one query tile, stored and
+    returned as [block_m] tiles in fp32 (fp64 for fp64 inputs): Delta_i = sum_d Out_id * dOut_id,
+    and the LSE in base 2.
 
     The base-2 LSE is +inf for a row that saw no key (LSE -inf), which makes its
     probabilities exp2(s - inf) = 0. Converting it here, once per row, keeps that select
     and multiply out of every step of the dK/dV loop.
     """
-    q_tile = ct.bid(0)
-    q_head = ct.bid(1)
-    b = ct.bid(2)
-    acc_dtype = _accumulator_dtype(Out.dtype)
-    out = _load_rows(Out, b, q_head, q_tile, block_m, block_d).astype(acc_dtype)
-    d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d).astype(acc_dtype)
-    delta = ct.sum(out * d_out, axis=1)
+    acc_dtype = _accumulator_dtype(out.dtype)
+    delta = ct.sum(out.astype(acc_dtype) * d_out.astype(acc_dtype), axis=1)
     ct.store(Delta, index=(b, q_head, q_tile), tile=delta.reshape((1, 1, block_m)).astype(Delta.dtype))
     lse = _load_row_stat(Lse, b, q_head, q_tile, block_m)
     lse_base2 = ct.where(lse == NEG_INF, POS_INF, lse * _log2e(lse.dtype))
     ct.store(LseBase2, index=(b, q_head, q_tile), tile=lse_base2.reshape((1, 1, block_m)).astype(LseBase2.dtype))
+    return delta.astype(Delta.dtype), lse_base2.astype(LseBase2.dtype)
+
+
+@CachedKernel
+def attention_backward_preprocess_kernel(
+    Out, dOut, Lse, Delta, LseBase2, block_m: ConstInt, block_d: ConstInt
+):  # fmt: skip
+    """The row statistics (_row_stats) for the fused backward, whose dK/dV programs each need
+    those of every query tile. The two-kernel backward's dQ kernel writes them instead."""
+    q_tile = ct.bid(0)
+    q_head = ct.bid(1)
+    b = ct.bid(2)
+    out = _load_rows(Out, b, q_head, q_tile, block_m, block_d)
+    d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d)
+    _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m)
 
 
 @ct.function
@@ -976,6 +985,8 @@ def attention_backward_dq_kernel(
     K,
     V,
     dOut,
+    Out,
+    Lse,
     LseBase2,
     Delta,
     dQ,
@@ -1001,7 +1012,9 @@ def attention_backward_dq_kernel(
     bias_mode: ConstInt,
     alibi: ConstBool,
 ):
-    """dQ of one query tile, looping over the key tiles it sees."""
+    """dQ of one query tile, looping over the key tiles it sees; first the tile's row statistics
+    (_row_stats), which the dK/dV kernel launched after it reads: no preprocess kernel, and Out
+    costs a load of one tile per program instead of a pass of its own over Out and dOut."""
     q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
     seqlen_q = Q.shape[2]
     seqlen_k = K.shape[2]
@@ -1016,8 +1029,9 @@ def attention_backward_dq_kernel(
 
     q = _load_rows(Q, b, q_head, q_tile, block_m, block_d)
     d_out = _load_rows(dOut, b, q_head, q_tile, block_m, block_d)
-    lse = _load_row_stat(LseBase2, b, q_head, q_tile, block_m)[:, None]
-    delta = _load_row_stat(Delta, b, q_head, q_tile, block_m)[:, None]
+    out = _load_rows(Out, b, q_head, q_tile, block_m, block_d)
+    delta, lse = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m)
+    delta, lse = delta[:, None], lse[:, None]
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     d_query = ct.zeros((block_m, block_d), acc_dtype)
 

@@ -342,8 +342,8 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
         return dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors)
     launcher = _Launcher(problem, q.device)
     steps, targets = _backward_steps(launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors)
-    # Everything is prepared before the first launch: the preprocess is short, and host work
-    # between launches would leave the GPU idle after it.
+    # Everything is prepared before the first launch: host work between launches would leave
+    # the GPU idle after a short one.
     for step in steps:
         launcher.launch(step)
     if targets.dq is not dq:  # the fused backward summed into fp32 targets
@@ -427,9 +427,8 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
     mod_args = _ModArgs(problem, mod_tensors, q)
     bias_grad_mode = BIAS_NONE if d_bias is None else mods.bias_mode
 
-    def writing(gradients, extra_arrays=(), extra_switches=()):
-        """Arguments of the dK/dV and dQ kernels, which differ in the gradients they write."""
-        inputs = (q, k, v, d_out, lse_base2, delta)
+    def arguments(inputs, gradients, extra_arrays=(), extra_switches=()):
+        """Arguments of the dK/dV and dQ kernels, which differ in what they read and write."""
         middle = (*scale, *qk_scale_log2, group, mod_args.bias, mod_args.slopes, *extra_arrays, *mod_args.values)
         switches = (mod_args.kernel_causal, *mod_args.switches, *extra_switches)
         return lambda config: (*inputs, *gradients, *middle, config.block_m, config.block_n, head_tile, *switches)
@@ -440,23 +439,30 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
     # Without fusion the dK/dV kernel's DQSum is an unused placeholder.
     dkdv_gradients = (dk_, dv_, dq_ if fused else q)
     switches = (bias_grad_mode, fused is not None, targets.grouped)
-    dkdv_args = writing(dkdv_gradients, (q if d_bias is None else d_bias,), switches)
-    preprocess = autotune.TunedKernel(
-        configs.BACKWARD_PREPROCESS,
-        kernels.attention_backward_preprocess_kernel,
-        query_tiles,
-        lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
+    dkdv_args = arguments(
+        (q, k, v, d_out, lse_base2, delta), dkdv_gradients, (q if d_bias is None else d_bias,), switches
     )
     if fused:
+        # Every dK/dV program needs the row statistics of every query tile: a kernel of their own.
+        preprocess = autotune.TunedKernel(
+            configs.BACKWARD_PREPROCESS,
+            kernels.attention_backward_preprocess_kernel,
+            query_tiles,
+            lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
+        )
         dkdv_dq = autotune.TunedKernel(
             fused, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, targets.zero
         )
         return (preprocess, dkdv_dq), targets
-    dkdv = autotune.TunedKernel(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
+    # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
     dq_step = autotune.TunedKernel(
-        configs.BACKWARD_DQ, kernels.attention_backward_dq_kernel, query_tiles, writing((dq_,))
+        configs.BACKWARD_DQ,
+        kernels.attention_backward_dq_kernel,
+        query_tiles,
+        arguments((q, k, v, d_out, out, lse, lse_base2, delta), (dq_,)),
     )
-    return (preprocess, dkdv, dq_step), targets
+    dkdv = autotune.TunedKernel(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
+    return (dq_step, dkdv), targets
 
 
 _BACKWARD_CHOICES = ("auto", "fused", "two-kernel")
