@@ -600,7 +600,7 @@ def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: Con
     lse = _load_row_stat(Lse, b, q_head, q_tile, block_m)
     lse_base2 = ct.where(lse == NEG_INF, POS_INF, lse * _log2e(lse.dtype))
     ct.store(LseBase2, index=(b, q_head, q_tile), tile=lse_base2.reshape((1, 1, block_m)).astype(LseBase2.dtype))
-    return delta.astype(Delta.dtype), lse_base2.astype(LseBase2.dtype)
+    return delta, lse_base2  # already in the statistics' dtype: that of the accumulators
 
 
 @CachedKernel
