@@ -160,14 +160,13 @@ def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal)
     check_forward_and_backward(Case("fused-auto", 1, 2, 1, seqlen, seqlen, head_dim), torch.bfloat16, causal)
 
 
-@pytest.mark.parametrize("kv_heads", [61, 31], ids=["mha", "gqa"])
+@pytest.mark.parametrize(("query_heads", "kv_heads"), [(61, 61), (62, 31)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("head_dim", FUSED_HEAD_DIM_TILES)
-def test_op_attention_fused_causal_backward_spans_head_groups(head_dim, kv_heads, monkeypatch):
+def test_op_attention_fused_causal_backward_spans_head_groups(head_dim, query_heads, kv_heads, monkeypatch):
     """The fused causal backward hands out its programs by key tile across groups of heads
     (kernels._heaviest_first): 3 key tiles make groups of 86 heads, so 183 or 186 query heads
     (with GQA, a program per query head) fill two groups and part of a third."""
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
-    query_heads = 61 if kv_heads == 61 else 62
     check_forward_and_backward(Case("head-groups", 3, query_heads, kv_heads, 333, 333, head_dim), torch.bfloat16, True)
 
 
