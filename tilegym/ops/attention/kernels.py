@@ -119,7 +119,7 @@ def _heaviest_first():
     weigh on short programs and a CTA left alone on an SM runs faster (perf-notes section 33).
     """
     tiles = ct.num_blocks(0)
-    group = max(ct.cdiv(HEAVIEST_FIRST_PROGRAMS, tiles), 1)
+    group = ct.cdiv(HEAVIEST_FIRST_PROGRAMS, tiles)  # at least 1
     program = ct.bid(0) + tiles * ct.bid(1)
     first = program // (group * tiles) * group  # the group's first head
     members = min(group, ct.num_blocks(1) - first)
