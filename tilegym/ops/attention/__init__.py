@@ -15,7 +15,7 @@ Every function also takes these keyword arguments (see score_mods.py for the exa
 
 import torch
 
-from tilegym.ops.attention import launch
+from tilegym.ops.attention import custom_ops, launch
 from tilegym.ops.attention.autograd import AttentionFunction
 
 __all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional"]
@@ -25,6 +25,9 @@ def tile_fmha(
     q, k, v, scaling=None, is_causal=True, *, attn_bias=None, window_size=None, softcap=None, alibi_slopes=None
 ):
     """Attention output for inference: no LSE is written and nothing is saved for backward."""
+    if torch.compiler.is_compiling():
+        out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, False, False)
+        return out
     problem, mod_tensors = launch.check_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
     )
@@ -37,6 +40,9 @@ def fmha_forward_with_lse(
 ):
     """(out, lse): lse is float32 [B, Hq, Sq], the natural log of the sum over the keys a row
     sees of exp(scaled score); -inf for a row that sees no key."""
+    if torch.compiler.is_compiling():
+        out, lse = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, False)
+        return out, lse.to(torch.float32)
     problem, mod_tensors = launch.check_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
     )
@@ -48,6 +54,9 @@ def tile_fmha_with_backward(
     q, k, v, scaling=None, is_causal=True, *, attn_bias=None, window_size=None, softcap=None, alibi_slopes=None
 ):
     """Attention output, differentiable with respect to q, k, v and attn_bias."""
+    if torch.compiler.is_compiling():
+        out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, True)
+        return out
     problem, mod_tensors = launch.check_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
     )
@@ -77,3 +86,16 @@ def tile_fmha_functional(q, k, v, scaling=None, is_causal=True, training=None, *
 def _needs_grad(*tensors) -> bool:
     """Whether autograd will want a gradient of any of these (non-tensors are skipped)."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, with_lse, differentiable):
+    """The call as custom_ops.attention, which torch.compile keeps in its graph; the operator
+    checks its arguments. Without differentiable, no gradient flows (as in the eager inference
+    path)."""
+    tensors = (q, k, v, attn_bias, alibi_slopes)
+    if not differentiable:
+        tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
+    q, k, v, attn_bias, alibi_slopes = tensors
+    # The schema takes a list of ints; anything else fails its check, which names the argument.
+    window = list(window_size) if isinstance(window_size, tuple) else window_size
+    return custom_ops.attention(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window, softcap, with_lse)

@@ -79,9 +79,12 @@ def _check_tensor(name: str, t) -> None:
 
 
 def check_inputs(
-    q, k, v, scaling, is_causal, attn_bias=None, window_size=None, softcap=None, alibi_slopes=None
+    q, k, v, scaling, is_causal, attn_bias=None, window_size=None, softcap=None, alibi_slopes=None, bias_grad=None
 ) -> tuple[AttentionProblem, ModTensors]:
-    """Validate everything before any launch; errors name the argument and what was expected."""
+    """Validate everything before any launch; errors name the argument and what was expected.
+
+    bias_grad: whether attn_bias will get a gradient; None reads attn_bias.requires_grad.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -118,7 +121,7 @@ def check_inputs(
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
     window, causal = score_mods.check_window(window_size, is_causal)
-    bias_mode, bias = score_mods.check_bias(attn_bias, q, seqlen_k, q_heads)
+    bias_mode, bias = score_mods.check_bias(attn_bias, q, seqlen_k, q_heads, bias_grad)
     slopes = score_mods.check_alibi(alibi_slopes, q, q_heads)
     mods = ScoreMods(
         bias_mode=bias_mode,

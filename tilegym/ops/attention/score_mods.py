@@ -114,12 +114,19 @@ def check_softcap(softcap, softmax_scale: float) -> float:
     return float(softcap)
 
 
-def check_bias(attn_bias, q: torch.Tensor, seqlen_k: int, q_heads: int) -> tuple[int, torch.Tensor | None]:
-    """(bias mode, the bias as the kernels take it) of attn_bias, broadcastable to [B, Hq, Sq, Sk]."""
+def check_bias(
+    attn_bias, q: torch.Tensor, seqlen_k: int, q_heads: int, needs_grad: bool | None = None
+) -> tuple[int, torch.Tensor | None]:
+    """(bias mode, the bias as the kernels take it) of attn_bias, broadcastable to [B, Hq, Sq, Sk].
+
+    needs_grad: whether attn_bias will get a gradient; None reads attn_bias.requires_grad.
+    """
     if attn_bias is None:
         return BIAS_NONE, None
     if not isinstance(attn_bias, torch.Tensor):
         raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
+    if needs_grad is None:
+        needs_grad = attn_bias.requires_grad
     if attn_bias.dtype not in (q.dtype, torch.float32):
         raise TypeError(f"attn_bias must have q's dtype ({q.dtype}) or torch.float32, got {attn_bias.dtype}")
     if attn_bias.device != q.device:
@@ -138,7 +145,7 @@ def check_bias(attn_bias, q: torch.Tensor, seqlen_k: int, q_heads: int) -> tuple
     # An expanded (stride-0) batch or head dim is read once; dBias keeps those dims whole anyway.
     # The query dim may only shrink when no gradient is asked for: dBias needs its rows.
     for dim in (0, 1, 2):
-        if bias.shape[dim] > 1 and bias.stride(dim) == 0 and (dim < 2 or not attn_bias.requires_grad):
+        if bias.shape[dim] > 1 and bias.stride(dim) == 0 and (dim < 2 or not needs_grad):
             bias = bias.narrow(dim, 0, 1)
     if bias.shape[3] != seqlen_k:
         bias = bias.expand(*bias.shape[:3], seqlen_k)

@@ -1,0 +1,58 @@
+"""The torch.library operators that torch.compile sees (custom_ops.py), on the CPU: their
+fake implementations give the real outputs' shapes and dtypes and check their arguments."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import tilegym  # noqa: F401  (registers the operators)
+
+
+def _fake(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_attention_operator_shapes(dtype):
+    with FakeTensorMode():
+        q, kv = _fake(2, 8, 300, 64, dtype=dtype), _fake(2, 2, 301, 64, dtype=dtype)
+        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, True, None, None, True)
+        assert (out.shape, out.dtype, out.is_contiguous()) == (q.shape, dtype, True)
+        assert (lse.shape, lse.dtype) == ((2, 8, 300), torch.float64 if dtype == torch.float64 else torch.float32)
+        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, True, None, None, False)
+        assert out.shape == q.shape and lse.numel() == 0
+
+
+def test_attention_backward_operator_shapes():
+    with FakeTensorMode():
+        q, kv = _fake(2, 4, 77, 128), _fake(2, 4, 93, 128)
+        bias = _fake(1, 4, 1, 93, dtype=torch.float32)
+        out, lse = torch.ops.tilegym.attention(q, kv, kv, bias, None, 0.5, False, [10, 3], 20.0, True)
+        args = (out, q, kv, kv, out, lse, bias, None, 0.5, False, [10, 3], 20.0)
+        dq, dk, dv, d_bias = torch.ops.tilegym.attention_backward(*args, True)
+        assert [t.shape for t in (dq, dk, dv)] == [q.shape, kv.shape, kv.shape]
+        assert (d_bias.shape, d_bias.dtype) == (bias.shape, torch.float32)
+        assert torch.ops.tilegym.attention_backward(*args, False)[3].numel() == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"head_dim": 7}, ValueError, "head dim 7 is not supported"),
+        ({"kv_heads": 3}, ValueError, r"q's head count \(4\) must be a multiple"),
+        ({"window": [4, -3]}, ValueError, "window_size sides must be >= 0"),
+        ({"softcap": -1.0}, ValueError, "softcap must be a finite number"),
+        ({"bias_shape": (2, 4, 5, 9)}, ValueError, "attn_bias of shape"),
+    ],
+    ids=lambda x: next(iter(x)) if isinstance(x, dict) else None,
+)
+def test_attention_operator_checks_its_arguments(change, error, match):
+    """Traced calls fail as eager ones do, with the argument named."""
+    with FakeTensorMode():
+        head_dim = change.get("head_dim", 64)
+        q, kv = _fake(2, 4, 50, head_dim), _fake(2, change.get("kv_heads", 2), 60, head_dim)
+        bias = _fake(*change["bias_shape"]) if "bias_shape" in change else None
+        with pytest.raises(error, match=match):
+            torch.ops.tilegym.attention(
+                q, kv, kv, bias, None, None, False, change.get("window"), change.get("softcap"), True
+            )

@@ -1,0 +1,111 @@
+"""The attention entry points as torch.library custom operators, for torch.compile.
+
+Dynamo cannot trace into the launch code (it graph-breaks on the problem's dataclasses and
+warns on every cuTile call), so under torch.compile the public functions call these operators
+instead: opaque nodes with fake implementations for shapes, and a registered backward, so a
+compiled training step keeps one graph (fullgraph=True holds). Eager calls keep the direct path
+(AttentionFunction) and pay no operator dispatch.
+
+Operator arguments are tensors and plain values only, so each operator validates its own
+arguments (launch.check_inputs): at trace time in its fake implementation, with the same
+errors as eager calls, and again when it runs.
+"""
+
+import torch
+from torch import Tensor
+
+from tilegym.ops.attention import launch
+
+_NAMESPACE = "tilegym"
+
+
+def _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad):
+    return launch.check_inputs(
+        q, k, v, scaling, is_causal, attn_bias, None if window_size is None else tuple(window_size), softcap,
+        alibi_slopes, bias_grad=bias_grad,
+    )  # fmt: skip
+
+
+def _row_stat_like(q: Tensor) -> Tensor:
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape[:3], dtype=dtype)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention", mutates_args=())
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_bias: Tensor | None,
+    alibi_slopes: Tensor | None,
+    scaling: float | None,
+    is_causal: bool,
+    window_size: list[int] | None,
+    softcap: float | None,
+    with_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse); lse is empty unless with_lse."""
+    args = (q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap)
+    problem, mod_tensors = _problem(*args, bias_grad=False)
+    out, lse = launch.forward(q, k, v, problem, with_lse=with_lse, mod_tensors=mod_tensors)
+    return out, q.new_empty(0, dtype=torch.float32) if lse is None else lse
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, with_lse):
+    _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad=False)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, _row_stat_like(q) if with_lse else q.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward(
+    d_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_bias: Tensor | None,
+    alibi_slopes: Tensor | None,
+    scaling: float | None,
+    is_causal: bool,
+    window_size: list[int] | None,
+    softcap: float | None,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_bias); d_bias is empty unless bias_grad."""
+    args = (q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap)
+    problem, mod_tensors = _problem(*args, bias_grad=bias_grad)
+    dq, dk, dv, d_bias = launch.backward(
+        d_out, q, k, v, out, lse, problem, mod_tensors=mod_tensors, bias_grad=bias_grad
+    )  # fmt: skip
+    return dq, dk, dv, q.new_empty(0) if d_bias is None else d_bias
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(
+    d_out, q, k, v, out, lse, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad
+):
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+    d_bias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0)  # contiguous, as summed
+    return (*grads, d_bias)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, with_lse = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_bias, alibi_slopes)
+    ctx.settings = (scaling, is_causal, window_size, softcap)
+
+
+def _backward(ctx, d_out, _d_lse):
+    q, k, v, out, lse, attn_bias, alibi_slopes = ctx.saved_tensors
+    bias_grad = ctx.needs_input_grad[3]
+    dq, dk, dv, d_bias = attention_backward(
+        d_out, q, k, v, out, lse, attn_bias, alibi_slopes, *ctx.settings, bias_grad
+    )  # fmt: skip
+    return dq, dk, dv, d_bias if bias_grad else None, None, None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)
