@@ -60,7 +60,8 @@ def main() -> None:
             step = _training_step(provider, shape)
             times[provider, "eager"] = bench_utils.median_ms(step) * 1e3
             times[provider, "graph"] = bench_utils.median_ms(_graphed(step)) * 1e3
-        name = f"B={shape.batch} H={shape.q_heads} S={shape.seqlen_q} D={shape.head_dim} {'causal' if shape.causal else 'full'}"
+        mask = "causal" if shape.causal else "full"
+        name = f"B={shape.batch} H={shape.q_heads} S={shape.seqlen_q} D={shape.head_dim} {mask}"
         cells = []
         for mode in ("eager", "graph"):
             ours, cudnn = times["cutile", mode], times["cudnn", mode]
