@@ -26,9 +26,10 @@ def _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, 
     )  # fmt: skip
 
 
-def _row_stat_like(q: Tensor) -> Tensor:
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape[:3], dtype=dtype)
+def _absent(q: Tensor) -> Tensor:
+    """An output the call does not produce (lse without with_lse, d_bias without bias_grad):
+    the schema has no optional outputs."""
+    return q.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::attention", mutates_args=())
@@ -48,14 +49,14 @@ def attention(
     args = (q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap)
     problem, mod_tensors = _problem(*args, bias_grad=False)
     out, lse = launch.forward(q, k, v, problem, with_lse=with_lse, mod_tensors=mod_tensors)
-    return out, q.new_empty(0, dtype=torch.float32) if lse is None else lse
+    return out, _absent(q) if lse is None else lse
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, with_lse):
-    _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad=False)
+    problem, _ = _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad=False)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return out, _row_stat_like(q) if with_lse else q.new_empty(0, dtype=torch.float32)
+    return out, launch.row_stat(problem, q.device) if with_lse else _absent(q)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::attention_backward", mutates_args=())
@@ -80,7 +81,7 @@ def attention_backward(
     dq, dk, dv, d_bias = launch.backward(
         d_out, q, k, v, out, lse, problem, mod_tensors=mod_tensors, bias_grad=bias_grad
     )  # fmt: skip
-    return dq, dk, dv, q.new_empty(0) if d_bias is None else d_bias
+    return dq, dk, dv, _absent(q) if d_bias is None else d_bias
 
 
 @attention_backward.register_fake
@@ -88,7 +89,7 @@ def _attention_backward_fake(
     d_out, q, k, v, out, lse, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad
 ):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
-    d_bias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0)  # contiguous, as summed
+    d_bias = attn_bias.new_empty(attn_bias.shape) if bias_grad else _absent(q)  # contiguous, as summed
     return (*grads, d_bias)
 
 

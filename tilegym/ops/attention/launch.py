@@ -166,7 +166,8 @@ def fold_batch_into_heads(*tensors: torch.Tensor, allowed: bool = True) -> tuple
     return tuple([t.view(1, batch * heads, *rest) for t, (_, heads, *rest) in zip(tensors, shapes, strict=True)])
 
 
-def _row_stat(problem: AttentionProblem, device) -> torch.Tensor:
+def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
+    """An uninitialized [B, Hq, Sq] row statistic (the LSE, Delta): fp64 for fp64 inputs, else fp32."""
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
     return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=dtype, device=device)
 
@@ -274,7 +275,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None and with_lse:
-        lse = _row_stat(problem, device)
+        lse = row_stat(problem, device)
     if problem.is_empty:
         return out, lse
     if problem.seqlen_k == 0:  # no key to attend to: every row is empty
@@ -370,7 +371,7 @@ def compile_backward_ahead(q, k, v, problem: AttentionProblem, mod_tensors=NO_TE
     launcher = _Launcher(problem, q.device)
     try:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = _row_stat(problem, q.device)
+        lse = row_stat(problem, q.device)
         dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
         steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors)
     except torch.cuda.OutOfMemoryError:
@@ -417,7 +418,7 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
     group = problem.query_group_size
     device = q.device
 
-    delta, lse_base2 = _row_stat(problem, device), _row_stat(problem, device)
+    delta, lse_base2 = row_stat(problem, device), row_stat(problem, device)
     fused = _fused_backward(problem, launcher, d_bias is not None)
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
