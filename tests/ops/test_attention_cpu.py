@@ -297,6 +297,65 @@ def test_op_attention_rejects_huge_grid():
         tile_fmha(q, k, v)
 
 
+class _CountingChecks:
+    """Stands in for launch._check_all_inputs: counts the full checks, and fails the call when
+    told to (as the real checks do for bad input)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.reject = False
+
+    def __call__(self, q, k, v, scaling, is_causal, *mods):
+        self.calls += 1
+        if self.reject:
+            raise ValueError("rejected")
+        batch, heads, seqlen, head_dim = q.shape
+        problem = launch.AttentionProblem(batch, heads, heads, seqlen, seqlen, head_dim, q.dtype, 0.125, is_causal)
+        return problem, score_mods.ModTensors()
+
+
+def test_op_plain_calls_are_checked_in_full_once(monkeypatch):
+    """A plain call whose tensors' shapes, dtypes and devices, scaling and mask were checked
+    before takes the checked problem; any difference, a modifier, a value that is not a plain
+    float, bool or tensor, or a call that failed its checks goes through every check."""
+    checks = _CountingChecks()
+    monkeypatch.setattr(launch, "_check_all_inputs", checks)
+    monkeypatch.setattr(launch, "_checked_plain_calls", {})
+    q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
+    first, _ = launch.check_inputs(q, k, v, None, True)
+    again, mod_tensors = launch.check_inputs(torch.randn_like(q), k.clone(), v.clone(), None, True)
+    assert checks.calls == 1 and again is first and mod_tensors == score_mods.NO_TENSORS
+    for call in (
+        lambda: launch.check_inputs(q, k, v, None, False),
+        lambda: launch.check_inputs(q, k, v, 0.5, True),
+        lambda: launch.check_inputs(q, k, v, 1, True),  # an int scaling: checked every time
+        lambda: launch.check_inputs(q.half(), k, v, None, True),
+        lambda: launch.check_inputs(q[:, :, :8], k, v, None, True),
+        lambda: launch.check_inputs(q, k, v, None, True, softcap=30.0),
+        lambda: launch.check_inputs(torch.nn.Parameter(q), k, v, None, True),
+    ):
+        before = checks.calls
+        call()
+        call()
+        assert checks.calls > before
+    checks.reject = True
+    for _ in range(2):
+        with pytest.raises(ValueError, match="rejected"):
+            launch.check_inputs(q, k, v, None, True, window_size=(4, 0))
+        with pytest.raises(ValueError, match="rejected"):
+            launch.check_inputs(q, k[:, :2], v[:, :2], None, True)
+    assert launch.check_inputs(q, k, v, None, True)[0] is first  # still known
+
+
+def test_op_plain_call_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(launch, "_check_all_inputs", _CountingChecks())
+    monkeypatch.setattr(launch, "_checked_plain_calls", {})
+    q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
+    for i in range(launch._CHECKED_PLAIN_CALLS_MAX + 5):
+        launch.check_inputs(q, k, v, 1.0 + i, True)
+    assert len(launch._checked_plain_calls) <= launch._CHECKED_PLAIN_CALLS_MAX
+
+
 def test_op_split_float_is_exact_to_fp64_rounding():
     for x in (1 / math.sqrt(80) * launch.LOG2E, 0.125, -0.3, 1e-6):
         hi, lo = launch.split_float(x)
@@ -336,29 +395,6 @@ def test_op_reference_gradients_finite_for_rows_without_keys():
     assert torch.equal(q.grad[0, 0, :4], torch.zeros(4, 8, dtype=torch.float64))
 
 
-# ---- batch folding ----------------------------------------------------------------------------
-
-
-def test_op_fold_batch_into_heads_keeps_gqa_pairs():
-    q, k = torch.randn(3, 8, 5, 4), torch.randn(3, 2, 7, 4)
-    q_folded, k_folded = launch.fold_batch_into_heads(q, k)
-    assert q_folded.shape == (1, 24, 5, 4) and k_folded.shape == (1, 6, 7, 4)
-    assert q_folded.data_ptr() == q.data_ptr()  # a view, no copy
-    group = 8 // 2
-    for b in range(3):
-        for h in range(8):
-            assert torch.equal(q_folded[0, b * 8 + h], q[b, h])
-            assert torch.equal(k_folded[0, (b * 8 + h) // group], k[b, h // group])
-
-
-def test_op_fold_batch_into_heads_all_or_nothing():
-    q = torch.randn(2, 5, 4, 8).transpose(1, 2)  # a [B, S, H, D] tensor viewed as [B, H, S, D]
-    k = torch.randn(2, 4, 5, 8)
-    assert launch.fold_batch_into_heads(q, k) == (q, k)
-    single = torch.randn(1, 4, 5, 8)
-    assert launch.fold_batch_into_heads(single)[0] is single
-
-
 # ---- launch arguments -------------------------------------------------------------------------
 
 
@@ -388,7 +424,7 @@ class _RecordingLauncher:
         return launch.name, launch.kernel, launch.grid(config), launch.args(config), config
 
 
-@pytest.mark.parametrize("batch", [1, 3], ids=["batch1", "batch3-folded"])
+@pytest.mark.parametrize("batch", [1, 3], ids=["batch1", "batch3"])
 def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
     """Every argument tuple has one value per kernel parameter, each array in its place."""
     import inspect
@@ -418,11 +454,11 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
         assert values["block_m"] == config.block_m and values.get("block_n", config.block_n) == config.block_n
         assert values.get("causal", True) is True and values.get("query_group_size", 2) == 2
         heads = 2 if name == configs.BACKWARD_DKDV else 4
-        assert grid[1:] == ((batch * heads, 1) if batch > 1 else (heads, 1)), name
+        assert grid[1:] == (heads, batch), name  # the kernels index (head, batch) from the grid
     # The dK/dV kernel reads the row statistics the dQ kernel wrote.
     for stat in ("Delta", "LseBase2"):
         written, read = values_of[configs.BACKWARD_DQ][stat], values_of[configs.BACKWARD_DKDV][stat]
-        assert written.data_ptr() == read.data_ptr() and written.shape == read.shape == (1, batch * 4, 40), stat
+        assert written.data_ptr() == read.data_ptr() and written.shape == read.shape == (batch, 4, 40), stat
 
 
 # ---- fused backward ---------------------------------------------------------------------------
@@ -454,18 +490,18 @@ def test_op_fused_backward_arguments(monkeypatch, q_heads):
     fused = configs.candidates(name, "sm_90", 64, 2)
     assert values["sum_dq"] is True and values["DQSum"].dtype == torch.float32
     padded_m, padded_n = (max(getattr(c, block) for c in fused) for block in ("block_m", "block_n"))
-    assert values["DQSum"].shape == (1, 3 * q_heads, padded_m, 64)  # batch folded into heads
+    assert values["DQSum"].shape == (3, q_heads, padded_m, 64)
     assert values["sum_dkdv"] is grouped
     for gradient_name in ("dK", "dV"):
         target = values[gradient_name]
         if grouped:
-            assert target.dtype == torch.float32 and target.shape == (1, 3 * 2, padded_n, 64)
+            assert target.dtype == torch.float32 and target.shape == (3, 2, padded_n, 64)
         else:
-            assert target.dtype == torch.bfloat16 and target.shape == (1, 3 * 2, 40, 64)
+            assert target.dtype == torch.bfloat16 and target.shape == (3, 2, 40, 64)
     # The recorder runs no kernel: each gradient that went through a sum is the zeroed sum.
     for gradient in (dq, dk, dv) if grouped else (dq,):
         assert torch.equal(gradient, torch.zeros_like(gradient))
-    assert grid == (1, 3 * q_heads if grouped else 3 * 2, 1)
+    assert grid == (1, q_heads if grouped else 2, 3)
 
 
 MIN_FUSED = configs.FUSED_BACKWARD_MIN_SEQLEN_K

@@ -78,6 +78,12 @@ def _check_tensor(name: str, t) -> None:
         raise ValueError(f"{name} has {t.numel()} elements; at most 2**31 - 1 are supported")
 
 
+# Problems of plain calls (no score modifier) that passed every check, by _plain_call_key: a
+# training loop repeats a few calls, whose full checks cost the host tens of microseconds.
+_checked_plain_calls: dict[tuple, AttentionProblem] = {}
+_CHECKED_PLAIN_CALLS_MAX = 1024
+
+
 def check_inputs(
     q, k, v, scaling, is_causal, attn_bias=None, window_size=None, softcap=None, alibi_slopes=None, bias_grad=None
 ) -> tuple[AttentionProblem, ModTensors]:
@@ -85,6 +91,34 @@ def check_inputs(
 
     bias_grad: whether attn_bias will get a gradient; None reads attn_bias.requires_grad.
     """
+    modified = attn_bias is not None or window_size is not None or softcap is not None or alibi_slopes is not None
+    key = None if modified else _plain_call_key(q, k, v, scaling, is_causal)
+    problem = _checked_plain_calls.get(key) if key is not None else None
+    if problem is not None:
+        return problem, NO_TENSORS
+    problem, mod_tensors = _check_all_inputs(
+        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad
+    )
+    if key is not None:
+        if len(_checked_plain_calls) >= _CHECKED_PLAIN_CALLS_MAX:
+            _checked_plain_calls.clear()
+        _checked_plain_calls[key] = problem
+    return problem, mod_tensors
+
+
+def _plain_call_key(q, k, v, scaling, is_causal) -> tuple | None:
+    """Everything the checks of a plain call read, or None where a value's type alone needs the
+    full checks (a tensor subclass, a scaling that is not a float, ...)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    if type(is_causal) is not bool or not (scaling is None or type(scaling) is float):
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, scaling, is_causal)
+
+
+def _check_all_inputs(
+    q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad
+) -> tuple[AttentionProblem, ModTensors]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -144,26 +178,6 @@ def addressable(t: torch.Tensor) -> torch.Tensor:
     if t.stride(-1) == 1 or t.shape[-1] == 1:
         return t
     return t.contiguous()
-
-
-def fold_batch_into_heads(*tensors: torch.Tensor, allowed: bool = True) -> tuple[torch.Tensor, ...]:
-    """[B, H, ...] views as [1, B*H, ...] when every tensor allows it, else the tensors as they are.
-
-    The kernels index (batch, head) from the grid, and query head h of batch b folds to
-    b*Hq + h, whose K/V head (b*Hq + h) // group is b*Hkv + h // group: the same head.
-    Folding keeps the batch size out of cuTile's specialization (a shape's divisibility
-    is compiled in), so a new batch size rarely means a new compile. Not allowed when a
-    bias or ALiBi slopes are indexed by (batch, head).
-    """
-    batch = tensors[0].shape[0]
-    if not allowed or batch <= 1:
-        return tensors
-    shapes = [t.shape for t in tensors]  # read once each: every read builds a torch.Size
-    for t, (_, heads, *_) in zip(tensors, shapes, strict=True):
-        # contiguous (the outputs and row statistics we allocate) needs no stride check
-        if batch * heads > _MAX_GRID_YZ or not (t.is_contiguous() or t.stride(0) == heads * t.stride(1)):
-            return tensors
-    return tuple([t.view(1, batch * heads, *rest) for t, (_, heads, *rest) in zip(tensors, shapes, strict=True)])
 
 
 def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
@@ -299,8 +313,6 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
         kernel = kernels.attention_forward_kernel
         outputs = (out,)
 
-    allowed = not problem.mods.indexes_batch_and_head
-    q, k, v, *outputs = fold_batch_into_heads(q, k, v, *outputs, allowed=allowed)
     mods = _ModArgs(problem, mod_tensors, q)
 
     def args(config):
@@ -423,11 +435,7 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
     targets = _fused_targets(problem, launcher, fused, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
-    folded = fold_batch_into_heads(
-        q, k, v, out, d_out, lse, delta, lse_base2, targets.dq, targets.dk, targets.dv,
-        allowed=not mods.indexes_batch_and_head,
-    )  # fmt: skip
-    q, k, v, out, d_out, lse, delta, lse_base2, dq_, dk_, dv_ = folded
+    dq_, dk_, dv_ = targets.dq, targets.dk, targets.dv
     mod_args = _ModArgs(problem, mod_tensors, q)
     bias_grad_mode = BIAS_NONE if d_bias is None else mods.bias_mode
 

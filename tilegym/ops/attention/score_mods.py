@@ -39,11 +39,6 @@ class ScoreMods:
     alibi: bool = False
 
     @property
-    def indexes_batch_and_head(self) -> bool:
-        """Bias and slopes are indexed by (batch, head), so batch cannot be folded into heads."""
-        return self.bias_mode != BIAS_NONE or self.alibi
-
-    @property
     def changes_scores(self) -> bool:
         """Some modifier changes score values (a window only hides some of them)."""
         return self.bias_mode != BIAS_NONE or bool(self.softcap) or self.alibi
