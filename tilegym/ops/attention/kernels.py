@@ -113,10 +113,10 @@ def _heaviest_first():
     heads (every head's tile 0, then every head's tile 1, ...) so the programs started last are
     the lightest. A group spans about HEAVIEST_FIRST_PROGRAMS programs, so as many heads are in
     flight at once (their Q and dO shared in L2) as in grid order. Groups hold heads of one
-    batch index. Measured in the fused causal
-    backward (one CTA per SM): +1-4% at 4096-8192 keys. At two CTAs per SM (the forward, the
-    two-kernel backward) it lost up to 6% at 1024 keys, where the integer divisions below
-    weigh on short programs and a CTA left alone on an SM runs faster (perf-notes section 33).
+    batch index. Measured in the fused causal backward (one CTA per SM): +1-4% at 4096-8192
+    keys. At two CTAs per SM (the forward, the two-kernel backward) it lost up to 6% at 1024
+    keys, where the integer divisions below weigh on short programs and a CTA left alone on an
+    SM runs faster (perf-notes section 33).
     """
     tiles = ct.num_blocks(0)
     group = ct.cdiv(HEAVIEST_FIRST_PROGRAMS, tiles)  # at least 1

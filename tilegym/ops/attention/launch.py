@@ -435,7 +435,6 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
     targets = _fused_targets(problem, launcher, fused, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
-    dq_, dk_, dv_ = targets.dq, targets.dk, targets.dv
     mod_args = _ModArgs(problem, mod_tensors, q)
     bias_grad_mode = BIAS_NONE if d_bias is None else mods.bias_mode
 
@@ -449,7 +448,7 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
     # A grouped fused backward runs a program per query head and key tile.
     key_tiles = _sequence_tile_grid(q if targets.grouped else k, problem.seqlen_k, "block_n")
     # Without fusion the dK/dV kernel's DQSum is an unused placeholder.
-    dkdv_gradients = (dk_, dv_, dq_ if fused else q)
+    dkdv_gradients = (targets.dk, targets.dv, targets.dq if fused else q)
     switches = (bias_grad_mode, fused is not None, targets.grouped)
     dkdv_args = arguments(
         (q, k, v, d_out, lse_base2, delta), dkdv_gradients, (q if d_bias is None else d_bias,), switches
@@ -471,7 +470,7 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
         configs.BACKWARD_DQ,
         kernels.attention_backward_dq_kernel,
         query_tiles,
-        arguments((q, k, v, d_out, out, lse, lse_base2, delta), (dq_,)),
+        arguments((q, k, v, d_out, out, lse, lse_base2, delta), (targets.dq,)),
     )
     dkdv = autotune.TunedKernel(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
     return (dq_step, dkdv), targets
