@@ -147,7 +147,7 @@ def test_op_shape_key_names_modifiers():
 
 def test_op_launch_arguments_with_modifiers(monkeypatch):
     """With every modifier on, each launch passes one value per kernel parameter, the bias,
-    slopes and dBias buffer in their places, and the switches on; batch is not folded."""
+    slopes and dBias buffer in their places, the switches on, and the batch on grid axis 2."""
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
     batch = 3
@@ -176,7 +176,7 @@ def test_op_launch_arguments_with_modifiers(monkeypatch):
         assert math.isclose(values["softcap_in"] + values["softcap_in_lo"], 0.125 / 3.0, rel_tol=1e-12)
         if name == configs.BACKWARD_DKDV:
             assert values["bias_grad"] == mode and values["DBias"].shape == (batch, 4, 1, 24)
-        assert grid[2] == batch, f"{name}: batch must not be folded into heads with a bias or ALiBi"
+        assert grid[2] == batch, f"{name}: the kernels index the bias and slopes by the batch on grid axis 2"
 
 
 def _sdpa_fp64(q, k, v, mask, causal=False):
