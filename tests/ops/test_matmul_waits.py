@@ -1,0 +1,46 @@
+"""The reading of matmul waits from SASS (tests/ops/matmul_waits.py), on hand-written listings."""
+
+from tests.ops.matmul_waits import Wait, matmul_waits, summary
+
+
+def _listing(*instructions: str) -> str:
+    return "\n".join(
+        f"        /*{16 * i:04x}*/                   {text} ;   /* 0x000000000000794d */"
+        for i, text in enumerate(instructions)
+    )
+
+
+GROUP = (
+    "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT",
+    "MUFU.EX2 R0, R0",
+    "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0",
+)
+
+
+def test_matmul_wait_counts_work_inside_and_after_its_group():
+    text = _listing(*GROUP, "FMUL R1, R1, R2", "NOP", "FADD R3, R3, R4", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert matmul_waits(text) == [Wait(in_flight=0, inside=1, after=2)]
+
+
+def test_matmul_waits_keep_a_group_in_flight_until_the_wait_for_all():
+    text = _listing(
+        *GROUP,
+        "HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR12].tnspB, R88, gsb0",
+        "MEMBAR.ALL.CTA",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+        "FADD R3, R3, R4",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "FADD R3, R3, R4",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",  # nothing left to wait for: not counted
+    )
+    assert matmul_waits(text) == [Wait(1, 0, 1), Wait(0, 0, 2)]
+    assert summary(matmul_waits(text)).startswith("2 waits, 1 letting a group run on")
+
+
+def test_matmul_waits_follow_fall_through_paths_only():
+    # A predicated branch may fall through; past an unconditional one the wait belongs to
+    # whatever jumps there, so it is not counted.
+    through = _listing(*GROUP, "@!P0 BRA 0x40", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert matmul_waits(through) == [Wait(0, 1, 1)]
+    jumped = _listing(*GROUP, "BRA 0x80", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert matmul_waits(jumped) == []
