@@ -44,3 +44,4 @@ def test_matmul_waits_follow_fall_through_paths_only():
     assert matmul_waits(through) == [Wait(0, 1, 1)]
     jumped = _listing(*GROUP, "BRA 0x80", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
     assert matmul_waits(jumped) == []
+    assert summary(matmul_waits(jumped)).startswith("no matmul wait")
