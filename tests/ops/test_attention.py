@@ -21,7 +21,7 @@ from tests.ops.attention_cases import (
     make_inputs,
 )
 from tests.ops.conftest import requires_cuda
-from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym import autotune, fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import configs, launch
 from tilegym.ops.attention.reference import attention_reference, causal_mask
 
@@ -219,22 +219,53 @@ def _assert_fixed_max_chosen(q, k, v, causal):
     return problem
 
 
+# Every candidate of the Hopper fixed-max forward: the tuner may pick any, tests otherwise run the first.
+FIXED_MAX_CONFIGS = [
+    pytest.param(head_dim, config, id=f"d{head_dim}-{config.block_m}x{config.block_n}")
+    for head_dim in FIXED_MAX_HEAD_DIMS
+    for config in configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", head_dim, 2)
+]
+
+
+@pytest.fixture
+def force_config(monkeypatch):
+    """force_config(kernel name, config): launches of that kernel use the config, tuning aside."""
+
+    def force(kernel_name, config):
+        candidates = launch._Launcher.candidates
+        monkeypatch.setattr(
+            launch._Launcher,
+            "candidates",
+            lambda self, name: (config,) if name == kernel_name else candidates(self, name),
+        )
+        monkeypatch.setattr(autotune, "_chosen", {})  # configs chosen so far stay out, and this one stays in
+
+    return force
+
+
+def _ran_with(kernel_name, config) -> bool:
+    return any(key[0] == kernel_name and chosen[0] == config for key, chosen in autotune._chosen.items())
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("square", [False, True], ids=["300-queries", "square"])
-@pytest.mark.parametrize("head_dim", FIXED_MAX_HEAD_DIMS)
-def test_op_attention_fixed_max_forward_for_long_sequences(head_dim, square, causal):
-    """Just past the length from which the forward keeps a fixed row max."""
+@pytest.mark.parametrize(("head_dim", "config"), FIXED_MAX_CONFIGS)
+def test_op_attention_fixed_max_forward_for_long_sequences(head_dim, config, square, causal, force_config):
+    """Just past the length from which the forward keeps a fixed row max, under each config."""
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
     seqlen_k = _fixed_max_seqlen_k(head_dim, None if square else 300, causal)
     case = Case("fixed-max", 1, 2, 1, seqlen_k if square else 300, seqlen_k, head_dim)
     _assert_fixed_max_chosen(*make_inputs(case, torch.bfloat16), causal)
     check_forward_and_backward(case, torch.bfloat16, causal)
+    assert _ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", FIXED_MAX_HEAD_DIMS)
-def test_op_attention_fixed_max_forward_recomputes_after_overflow(head_dim, causal):
+@pytest.mark.parametrize(("head_dim", "config"), FIXED_MAX_CONFIGS)
+def test_op_attention_fixed_max_forward_recomputes_after_overflow(head_dim, config, causal, force_config):
     """Keys past the first tile score far above it: probabilities against the first tile's max
     overflow fp32, so each query tile must be computed again with a running max."""
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
     seqlen_k = _fixed_max_seqlen_k(head_dim, 256, causal)
     q, k, v = make_inputs(Case("fixed-max-overflow", 1, 2, 1, 256, seqlen_k, head_dim), torch.bfloat16)
     k[:, :, :128] *= 0.01
@@ -244,6 +275,7 @@ def test_op_attention_fixed_max_forward_recomputes_after_overflow(head_dim, caus
     base_out, _ = _sdpa_baseline(q, k, v, torch.randn_like(q), problem.softmax_scale, causal)
     out, lse = _poisoned_like(q), _poisoned_like(ref_lse, torch.float32)
     launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse)
+    assert _ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
     _assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
     assert _max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
 
