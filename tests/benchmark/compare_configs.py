@@ -1,0 +1,107 @@
+"""Time one kernel's candidate configs against each other, beside SDPA cuDNN, in interleaved rounds.
+
+Each config of the kernel's table runs as if it were the table's only one (tuning off), so
+the same call times the same shapes under every config; rounds alternate the configs so that
+a drift of the GPU's clock spoils each config alike. For a same-run A/B of a table change:
+
+    python tests/benchmark/compare_configs.py attention_forward_lse_fixed_max --head-dim 64 \
+        --modes fwd --seqlens 4096 8192 16384 --rounds 2
+
+Configs: those of the table (the kernel name as in configs.py, sm_90, 16-bit inputs), or
+--configs block_m,block_n[,num_worker_warps[,occupancy[,num_ctas]]] ... in their place.
+Prints TFLOPS per (mode, shape) and config, each round's and the better of them, with cuDNN's.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.benchmark import bench_utils  # noqa: E402
+from tilegym import autotune  # noqa: E402
+from tilegym.autotune import TileConfig  # noqa: E402
+from tilegym.ops.attention import configs  # noqa: E402
+
+_CONFIG_FIELDS = ("block_m", "block_n", "num_worker_warps", "occupancy", "num_ctas")
+
+
+def parse_config(text: str) -> TileConfig:
+    """A TileConfig from 'block_m,block_n[,num_worker_warps[,occupancy[,num_ctas]]]'."""
+    values = [int(part) for part in text.split(",")]
+    if not 1 <= len(values) <= len(_CONFIG_FIELDS):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to {len(_CONFIG_FIELDS)} integers")
+    return TileConfig(**dict(zip(_CONFIG_FIELDS, values, strict=False)))
+
+
+def label(config: TileConfig) -> str:
+    return ",".join(str(getattr(config, name)) for name in _CONFIG_FIELDS if getattr(config, name) is not None)
+
+
+def only(kernel: str, config: TileConfig):
+    """A patch under which `kernel` has `config` as its only candidate."""
+    original = configs.candidates
+
+    def candidates(name, *args, **kwargs):
+        return (config,) if name == kernel else original(name, *args, **kwargs)
+
+    return mock.patch.object(configs, "candidates", candidates)
+
+
+def run(kernel: str, config_list, modes, shape_list, rounds: int) -> dict:
+    """{(mode, shape): {label: [TFLOPS per round], "cudnn": [...]}}"""
+    results: dict = {}
+    for round_index in range(rounds):
+        for config in config_list:
+            autotune._chosen.clear()  # a launch remembers its config per shape: forget it
+            with only(kernel, config):
+                for shape in shape_list:
+                    for mode in modes:
+                        result = bench_utils.measure(mode, "cutile", shape)
+                        results.setdefault((mode, shape), {}).setdefault(label(config), []).append(result.tflops)
+                        print(f"round {round_index} {label(config):>14s} {mode:8s} {shape.series} "
+                              f"S={shape.seqlen_q}: {result.tflops or 0:.0f} {result.note}", flush=True)  # fmt: skip
+        for shape in shape_list:
+            for mode in modes:
+                result = bench_utils.measure(mode, "cudnn", shape)
+                results.setdefault((mode, shape), {}).setdefault("cudnn", []).append(result.tflops)
+    return results
+
+
+def summary(results: dict) -> str:
+    lines = []
+    for (mode, shape), by_config in results.items():
+        cells = []
+        for name, values in by_config.items():
+            rounds = "/".join(f"{value:.0f}" if value else "n/a" for value in values)
+            best = max((value for value in values if value), default=None)
+            cells.append(f"{name} {rounds}" + (f" (best {best:.0f})" if best else ""))
+        lines.append(f"{mode:8s} {shape.series:20s} S={shape.seqlen_q:<6d} " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kernel", help="a kernel name of configs.py, e.g. attention_forward_lse_fixed_max")
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--configs", nargs="+", type=parse_config, help="configs to compare (default: the table's)")
+    p.add_argument("--modes", nargs="+", choices=tuple(bench_utils.MODE_FLOP_FACTOR), default=["fwd"])
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    os.environ["DISABLE_AUTOTUNE"] = "1"
+    config_list = args.configs or configs.candidates(args.kernel, "sm_90", args.head_dim, 2)
+    if not config_list:
+        p.error(f"{args.kernel} has no sm_90 table at head dim {args.head_dim}: give --configs")
+    shape_list = bench_utils.shapes(
+        [args.head_dim], bench_utils.causal_options(args.causal), [args.dtype], args.seqlens
+    )
+    print(summary(run(args.kernel, config_list, args.modes, shape_list, args.rounds)))
+
+
+if __name__ == "__main__":
+    main()
