@@ -126,3 +126,11 @@ def sass(cubin: Path) -> str:
 
 def count_instructions(text: str, opcode: str) -> int:
     return len(re.findall(rf"\b{opcode}\b", text))
+
+
+def matmuls_serialized(text: str) -> bool:
+    """Whether every warpgroup MMA (HGMMA) of a listing closes a group of its own (`gsb0`), so
+    each is waited for alone: what ptxas does to a whole kernel when it finds too few registers
+    to pipeline them (its advisory C7511, which cuTile's compile does not show)."""
+    matmuls = re.findall(r"\bHGMMA\.[^;]*;", text)
+    return bool(matmuls) and all(matmul.rstrip(" ;").endswith("gsb0") for matmul in matmuls)

@@ -25,6 +25,7 @@ HOT_KERNELS = (
     ("fused backward, D=64", configs.BACKWARD_FUSED, 64),
     ("forward with LSE, running max, D=128", configs.FORWARD_LSE, 128),
     ("forward with LSE, fixed max, D=128", configs.FORWARD_LSE_FIXED_MAX, 128),
+    ("forward with LSE, fixed max, D=64", configs.FORWARD_LSE_FIXED_MAX, 64),
 )
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")

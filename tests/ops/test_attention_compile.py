@@ -4,8 +4,9 @@ For each kernel: every config of its sm_90 and sm_100 tables at head dims 64 and
 first config at the other head dims, causal and not, in bf16 (fp16 and the fp32/fp64 configs
 at one head dim); the fused backward's sm_90 configs (plain and grouped), which must add
 their fp32 sums by TMA reductions; and the sm_90 configs of the forwards with a fixed row max.
-On sm_90 the matrix kernels must use warpgroup MMA (HGMMA) and must not spill registers to
-local memory (LDL/STL): a spill or a fall-back to HMMA is a slowdown that CPU CI can catch.
+On sm_90 the matrix kernels must use warpgroup MMA (HGMMA), must not spill registers to
+local memory (LDL/STL) and must issue their HGMMAs in groups, not each waited for alone (what
+ptxas does when it lacks registers to pipeline them): each is a slowdown that CPU CI can catch.
 """
 
 import cuda.tile as ct
@@ -57,6 +58,7 @@ def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tm
     assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
     spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
     assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
+    assert not aot.matmuls_serialized(text), "every HGMMA is waited for alone: too few registers to pipeline them"
     if kernel in FUSED_KERNELS:
         assert aot.count_instructions(text, "UTMAREDG") > 0, "fp32 sums are not added by TMA reductions"
         assert aot.count_instructions(text, "REDG") == 0, "fp32 sums are added one element at a time"
@@ -114,3 +116,4 @@ def _check_modified_compile(kernel, dtype, head_dim, config, switches, tmp_path)
     assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
     spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
     assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
+    assert not aot.matmuls_serialized(text), "every HGMMA is waited for alone: too few registers to pipeline them"

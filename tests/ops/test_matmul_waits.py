@@ -1,5 +1,7 @@
-"""The reading of matmul waits from SASS (tests/ops/matmul_waits.py), on hand-written listings."""
+"""The reading of matmul waits from SASS (tests/ops/matmul_waits.py, aot.matmuls_serialized), on
+hand-written listings."""
 
+from tests.ops.aot import matmuls_serialized
 from tests.ops.matmul_waits import Wait, matmul_waits, summary
 
 
@@ -45,3 +47,16 @@ def test_matmul_waits_follow_fall_through_paths_only():
     jumped = _listing(*GROUP, "BRA 0x80", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
     assert matmul_waits(jumped) == []
     assert summary(matmul_waits(jumped)).startswith("no matmul wait")
+
+
+def test_matmuls_serialized_when_every_hgmma_closes_its_own_group():
+    alone = (
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+    )
+    assert matmuls_serialized(_listing(*alone))
+    assert not matmuls_serialized(_listing(*GROUP, "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    assert not matmuls_serialized(_listing(*alone, *GROUP))  # one real group: ptxas pipelined them
+    assert not matmuls_serialized(_listing("FADD R3, R3, R4"))

@@ -401,6 +401,28 @@ def _forward_loop(
 
 
 @ct.function
+def _forward_first_step_fixed_max(first, state, tile, block_m: ConstInt, block_n: ConstInt, block_d: ConstInt):
+    """The first unmasked step of a fixed-max forward, if there is one (first is 0 or 1): its
+    scores' row max (raw units) becomes the tile's fixed max, and its sums start from zero.
+
+    A running-max step from the empty state gives the same values but rescales its zero sums;
+    with that step here, ptxas found too few registers to pipeline the D=64 kernel's matmuls
+    and waited for each one alone (perf-notes section 43).
+    """
+    q, K, V, b, kv_head, _, _, qk_scale_log2, _, _, _, _ = tile
+    acc_dtype = _accumulator_dtype(q.dtype)
+    for kv_tile in range(0, first):
+        k = _load_rows(K, b, kv_head, kv_tile, block_n, block_d)
+        raw = ct.mma(q, ct.transpose(k), ct.zeros((block_m, block_n), acc_dtype))
+        row_max = ct.max(raw, axis=1, keepdims=True)
+        probs = _exp2(raw * qk_scale_log2 - row_max * qk_scale_log2)
+        v = _load_rows(V, b, kv_head, kv_tile, block_n, block_d)
+        acc = ct.mma(probs.astype(v.dtype), v, ct.zeros((block_m, block_d), acc_dtype))
+        state = (row_max, ct.sum(probs, axis=1, keepdims=True), acc)
+    return state
+
+
+@ct.function
 def _forward_loop_fixed_max(first, last, state, tile, block_m: ConstInt, block_n: ConstInt, block_d: ConstInt):
     """Unmasked steps of plain attention against a fixed row max: no running max, no rescale.
 
@@ -461,7 +483,7 @@ def _forward_key_loops(
     again with a running max. The check costs every program a cross-warp reduction."""
     if fixed_max:
         first = min(num_full, 1)
-        fast = _forward_loop(0, first, state, tile, block_m, block_n, block_d, causal, False)
+        fast = _forward_first_step_fixed_max(first, state, tile, block_m, block_n, block_d)
         fast = _forward_loop_fixed_max(first, num_full, fast, tile, block_m, block_n, block_d)
         fast = _forward_loop(num_full, num_end, fast, tile, block_m, block_n, block_d, causal, True)
         if _overflowed(fast):
