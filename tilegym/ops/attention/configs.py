@@ -90,12 +90,9 @@ _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
 # warpgroups per SM (384 threads at 168 registers fill the register file; 64-row tiles at two
 # CTAs per SM lost 5-13%, section 34), and only where a query row attends to many keys on
 # average (half of a square causal length): from 2048 at D=128 and 4096 at D=64 (below, up to
-# 10% and 18% slower). At D=64, 256x64 tiles (128 query rows a warpgroup, each K and V tile
-# loaded for twice the rows) win without a mask from 4096 keys and lose with one (section 42).
-_SM90_FORWARD_FIXED_MAX = {
-    64: [_c(128, 128, num_worker_warps=8), _c(256, 64, num_worker_warps=8)],
-    128: [_c(128, 128, num_worker_warps=8)],
-}
+# 10% and 18% slower). At D=64, 256x64 tiles won without a mask (section 42) only while the
+# 128x128 kernel waited for each matmul alone; since section 43 128x128 wins everywhere.
+_SM90_FORWARD_FIXED_MAX = {d: [_c(128, 128, num_worker_warps=8)] for d in (64, 128)}
 FIXED_MAX_FORWARD_MIN_MEAN_KEYS = {64: 4096, 128: 2048}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
