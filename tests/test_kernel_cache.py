@@ -1,11 +1,15 @@
 """The compiled-kernel cache: a hit skips cuTile's compile, a miss fills it, keys tell configs
-apart; a compile started ahead is what the launch gets, and compiles run side by side.
+apart, a damaged entry is compiled again; a compile started ahead is what the launch gets,
+compiles run side by side, and exit does not wait for the queued ones.
 
 Runs on a machine without a GPU: the kernels are compiled for sm_90 ahead of time.
 """
 
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import cuda.tile as ct
 import cuda.tile._compile as cutile_compile
@@ -79,21 +83,101 @@ def test_signature_and_hints_have_their_own_entries(cache_dir, cutile_compiles):
     assert len(cubins) == len(variants)
 
 
-def test_turned_off_by_the_environment(cache_dir, cutile_compiles, monkeypatch):
-    monkeypatch.setenv("TILEGYM_KERNEL_CACHE", "0")
+@pytest.mark.parametrize("value", ["0", "off", " NO "])
+def test_turned_off_by_the_environment(cache_dir, cutile_compiles, monkeypatch, value):
+    monkeypatch.setenv("TILEGYM_KERNEL_CACHE", value)
     for _ in range(2):
         _compile(_doubling_kernel, _signature())
     assert len(cutile_compiles) == 2
     assert not cache_dir.exists()
 
 
-def test_a_damaged_entry_is_compiled_again(cache_dir, cutile_compiles):
+def test_the_switch_rejects_other_words(cache_dir, monkeypatch):
+    monkeypatch.setenv("TILEGYM_KERNEL_CACHE", "disable")
+    with pytest.raises(ValueError, match="TILEGYM_KERNEL_CACHE='disable'"):
+        kernel_cache.enabled()
+    for value in ("", "1", "On"):
+        monkeypatch.setenv("TILEGYM_KERNEL_CACHE", value)
+        assert kernel_cache.enabled()
+
+
+def _cut_in_half(entry: bytes) -> bytes:
+    return entry[: len(entry) // 2]
+
+
+def _one_byte_changed(entry: bytes) -> bytes:
+    return entry[:-1] + bytes([entry[-1] ^ 1])
+
+
+def _header_not_text(entry: bytes) -> bytes:
+    return b"\xff\xfe" + entry
+
+
+def _no_header(entry: bytes) -> bytes:
+    return b"no symbol line"
+
+
+@pytest.mark.parametrize("damage", [_cut_in_half, _one_byte_changed, _header_not_text, _no_header])
+def test_a_damaged_entry_is_compiled_again(cache_dir, cutile_compiles, damage):
+    """Half a cubin handed to the driver crashes the process: an entry is checked before use."""
     compiled = _compile(_doubling_kernel, _signature())
     [entry] = cache_dir.glob("*.cubin")
-    entry.write_bytes(b"no symbol line")
-    assert _compile(_doubling_kernel, _signature())[:2] == compiled[:2]
+    entry.write_bytes(damage(entry.read_bytes()))
+    with pytest.warns(UserWarning, match="damaged compiled kernel") as record:
+        assert _compile(_doubling_kernel, _signature())[:2] == compiled[:2]
+    assert len(record) == 1 and len(cutile_compiles) == 2
+    assert _compile(_doubling_kernel, _signature())[:2] == compiled[:2]  # stored again, sound
     assert len(cutile_compiles) == 2
-    assert entry.read_bytes().endswith(compiled[0])
+
+
+def test_entries_of_the_first_format_are_not_read(cache_dir, cutile_compiles):
+    """The first format (a symbol line, then the cubin, in <key>.cubin) had no check."""
+    _compile(_doubling_kernel, _signature())
+    [entry] = cache_dir.glob("*.cubin")
+    entry.unlink()
+    key = entry.name.split(".")[0]
+    (cache_dir / f"{key}.cubin").write_bytes(b"symbol\nnot a cubin")
+    cubin, *_ = _compile(_doubling_kernel, _signature())
+    assert cubin[:4] == b"\x7fELF" and len(cutile_compiles) == 2
+
+
+def test_a_read_only_cache_still_hits(cache_dir, cutile_compiles, monkeypatch):
+    first = _compile(_doubling_kernel, _signature())
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "utime", read_only)
+    assert _compile(_doubling_kernel, _signature())[:2] == first[:2]
+    assert len(cutile_compiles) == 1
+
+
+def test_a_cache_dir_open_to_others_holds_no_kernels(cache_dir, cutile_compiles):
+    """Another user could put their code in place of a cached kernel."""
+    cache_dir.parent.chmod(0o777)
+    with pytest.warns(UserWarning, match="group or others may write to it"):
+        for _ in range(2):
+            assert _compile(_doubling_kernel, _signature())[0][:4] == b"\x7fELF"
+    assert len(cutile_compiles) == 2 and not cache_dir.exists()
+
+
+_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from tilegym import kernel_cache
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+kernel_cache._write(Path(sys.argv[1]) / f"{'0' * 64}{kernel_cache._SUFFIX}", "symbol", bytes(10_000))
+"""
+
+
+def test_a_full_disk_leaves_no_temporary_files(tmp_path):
+    """A write that fails part way (a file size limit here, as a full disk would) leaves nothing."""
+    pytest.importorskip("resource")
+    result = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_least_recently_used_entries_are_evicted(cache_dir, cutile_compiles, monkeypatch):
@@ -157,3 +241,40 @@ def _try_lock() -> bool:
         return False
     cutile_compile._compiler_lock.release()
     return True
+
+
+def test_compiles_ahead_have_a_timeout(cache_dir, fresh_ahead, monkeypatch):
+    """Exit waits for the compile running in the background: it must end even where the
+    context sets no timeout (cuTile's default)."""
+    timeouts = []
+    run_tileiras = cutile_compile.compile_cubin
+
+    def recording(bytecode, options, arch, timeout_sec, *args, **kwargs):
+        timeouts.append(timeout_sec)
+        return run_tileiras(bytecode, options, arch, timeout_sec, *args, **kwargs)
+
+    monkeypatch.setattr(cutile_compile, "compile_cubin", recording)
+    monkeypatch.setattr(default_tile_context.config, "compiler_timeout_sec", None)
+    _doubling_kernel.start_compile(_signature(4), SM_90).result()
+    [timeout] = timeouts
+    assert timeout is not None and 0 < timeout <= 600
+
+
+_QUEUED_AT_EXIT = """
+import time
+from tilegym import kernel_cache
+
+pool = kernel_cache._compile_pool()
+for _ in range(3 * pool._max_workers):  # three rounds of fake two-second compiles
+    pool.submit(time.sleep, 2)
+time.sleep(0.2)  # the first round runs
+print(time.time(), flush=True)
+"""
+
+
+def test_exit_cancels_queued_compiles():
+    """Python joins the compile threads at exit: it waits for the round running, not the rest."""
+    result = subprocess.run([sys.executable, "-c", _QUEUED_AT_EXIT], capture_output=True, text=True)
+    waited = time.time() - float(result.stdout)
+    assert result.returncode == 0, result.stderr
+    assert waited < 2 * 2, f"exit waited {waited:.1f} s for compiles queued behind the running ones"

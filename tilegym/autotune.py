@@ -7,13 +7,19 @@ candidates (median of a few launches each, after the compiling one) and stores t
 
 Tuning never raises: a candidate that fails to compile, or that runs past the compile
 timeout, is skipped with one warning, and if none works the default is used.
+
+The cache dir is used only when it is private to the user (usable_cache_dir): both this
+JSON file and the compiled kernels of kernel_cache live there, and a kernel is code the GPU runs.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import stat
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -21,8 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+from tilegym import env
+
+try:
+    import fcntl
+except ImportError:  # Windows: puts stay atomic, but processes tuning side by side may lose an entry
+    fcntl = None
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -65,26 +75,68 @@ class TileConfig:
         return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
 
 
+_DISABLE_USAGE = f"use one of {env.TRUE_WORDS} to disable autotuning or one of {env.FALSE_WORDS} (or unset) to keep it"
+
+
 def autotune_disabled() -> bool:
     """DISABLE_AUTOTUNE: 1/true/yes/on disables tuning, 0/false/no/off or unset keeps it."""
-    value = os.environ.get("DISABLE_AUTOTUNE", "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"DISABLE_AUTOTUNE={os.environ['DISABLE_AUTOTUNE']!r} is not understood: "
-        f"use one of {_TRUE} to disable autotuning or one of {_FALSE[1:]} (or unset) to keep it"
-    )
+    return env.flag("DISABLE_AUTOTUNE", False, _DISABLE_USAGE)
 
 
 def cache_dir() -> Path:
-    """TILEGYM_CACHE_DIR, else $XDG_CACHE_HOME/tilegym, else ~/.cache/tilegym."""
-    explicit = os.environ.get("TILEGYM_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tilegym"
+    """TILEGYM_CACHE_DIR, else $XDG_CACHE_HOME/tilegym, else ~/.cache/tilegym (~ expanded)."""
+    explicit = env.path("TILEGYM_CACHE_DIR")
+    if explicit is not None:
+        return explicit
+    return (env.path("XDG_CACHE_HOME") or Path(os.path.expanduser("~")) / ".cache") / "tilegym"
+
+
+_usable_dirs: dict[Path, bool] = {}
+
+
+def usable_cache_dir() -> Path | None:
+    """cache_dir(), made private (mode 0700) where it is missing; None, after one warning, where
+    it belongs to another user or group or others may write to it: another user could then
+    swap a cached kernel for theirs. Without it the caches keep to memory."""
+    directory = cache_dir()
+    usable = _usable_dirs.get(directory)
+    if usable is None:
+        problem = _cache_dir_problem(directory)
+        if problem is not None:
+            warnings.warn(
+                f"tilegym: not using the cache dir {directory}: {problem}; caching in memory only", stacklevel=2
+            )
+        usable = _usable_dirs[directory] = problem is None
+    return directory if usable else None
+
+
+def _cache_dir_problem(directory: Path) -> str | None:
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = os.stat(directory)
+    except OSError as error:
+        return f"it cannot be made ({error})"
+    getuid = getattr(os, "getuid", None)  # not on Windows, where modes say little
+    if getuid is not None and status.st_uid != getuid():
+        return f"it belongs to user {status.st_uid}"
+    if getuid is not None and status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"group or others may write to it (mode {stat.S_IMODE(status.st_mode):o}; chmod 700 makes it usable)"
+    return None
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Replaces path by a file holding data: readers see the old file or the new one, never a
+    part. The temporary file gets a fresh name, made exclusively (a link planted under a name
+    we would have guessed is not followed), and goes away if the write fails (a full disk)."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _slug(text: str) -> str:
@@ -92,21 +144,33 @@ def _slug(text: str) -> str:
 
 
 class TuneCache:
-    """Chosen configs by shape key, in memory and in one JSON file per (GPU, cuda-tile version)."""
+    """Chosen configs by shape key, in memory and in one JSON file per (GPU, cuda-tile version),
+    or in memory only (on_disk False: no usable cache dir).
 
-    def __init__(self, path: Path):
+    Processes share the file: a put merges its entry into what the file holds at that moment,
+    under a file lock, so that processes tuning side by side keep each other's entries, and
+    entries this version cannot read (a field of a later one) are kept as they are.
+    """
+
+    def __init__(self, path: Path, on_disk: bool = True):
         self.path = path
+        self.on_disk = on_disk
         self._entries: dict[str, TileConfig] | None = None
         self._lock = threading.Lock()
 
     def _load(self) -> dict[str, TileConfig]:
         if self._entries is None:
-            self._entries = {}
-            try:
-                raw = json.loads(self.path.read_text())
-                self._entries = {key: TileConfig(**value) for key, value in raw.items()}
-            except (OSError, ValueError, TypeError):
-                pass  # no cache yet, or an unreadable one: tune again
+            stored, problem = _read_entries(self.path) if self.on_disk else ({}, None)
+            self._entries, skipped = _configs(stored)
+            if problem is not None:
+                warnings.warn(
+                    f"tilegym: ignored the tune cache {self.path}: {problem}; shapes tune again", stacklevel=4
+                )
+            if skipped:
+                warnings.warn(
+                    f"tilegym: skipped {skipped} entries of the tune cache {self.path} that are not tile configs",
+                    stacklevel=4,
+                )
         return self._entries
 
     def get(self, key: str) -> TileConfig | None:
@@ -117,13 +181,78 @@ class TuneCache:
         with self._lock:
             entries = self._load()
             entries[key] = config
+            if not self.on_disk:
+                return
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({k: v.to_json() for k, v in entries.items()}, indent=1, sort_keys=True))
-                tmp.replace(self.path)
-            except OSError as error:
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with _locked(self.path):
+                    stored, _ = _read_entries(self.path)  # what other processes wrote meanwhile
+                    stored[key] = config.to_json()
+                    write_file(self.path, json.dumps(stored, indent=1, sort_keys=True).encode())
+            except (OSError, ValueError, RecursionError) as error:
                 warnings.warn(f"tilegym: could not write the tune cache {self.path}: {error}", stacklevel=3)
+                return
+            entries.update(_configs(stored)[0])
+
+
+def _read_entries(path: Path) -> tuple[dict, str | None]:
+    """The JSON object a tune cache file holds (empty if there is none yet) and, where the file
+    holds something else, what: a torn or hand-edited file must not fail a launch."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8
+        return {}, f"it cannot be read ({error})"
+    try:
+        stored = json.loads(text)
+    except (ValueError, RecursionError) as error:  # RecursionError: nested past the parser's depth
+        return {}, f"it is not JSON ({type(error).__name__})"
+    if not isinstance(stored, dict):
+        return {}, f"it holds a JSON {type(stored).__name__}, not an object"
+    return stored, None
+
+
+_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(TileConfig))
+_REQUIRED_FIELDS = frozenset(
+    field.name for field in dataclasses.fields(TileConfig) if field.default is dataclasses.MISSING
+)
+
+
+def _config(value) -> TileConfig | None:
+    """The TileConfig a stored entry describes, or None: sizes must be ints (128.0 or true would
+    reach the kernel as a constant of the wrong type), fields must be TileConfig's."""
+    if not isinstance(value, dict) or not _REQUIRED_FIELDS <= value.keys() <= _CONFIG_FIELDS:
+        return None
+    for name, size in value.items():
+        if type(size) is not int and not (size is None and name not in _REQUIRED_FIELDS):
+            return None
+    return TileConfig(**value)
+
+
+def _configs(stored: dict) -> tuple[dict[str, TileConfig], int]:
+    """The entries that are TileConfigs, and how many were skipped."""
+    configs = {key: _config(value) for key, value in stored.items()}
+    valid = {key: config for key, config in configs.items() if config is not None}
+    return valid, len(configs) - len(valid)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Holds an exclusive lock on path's sibling .lock file for the block; goes on without one
+    where the platform or the file system has none (the write is still atomic)."""
+    descriptor = None
+    if fcntl is not None:
+        try:
+            descriptor = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)  # releases the lock
 
 
 _CACHE_DIR_VARIABLES = ("TILEGYM_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
@@ -140,14 +269,11 @@ def tune_cache(device_name: str, cutile_version: str) -> TuneCache:
     key = (device_name, cutile_version, *(os.environ.get(name) for name in _CACHE_DIR_VARIABLES))
     cache = _caches.get(key)
     if cache is None:
-        path = cache_dir() / f"autotune-{_slug(device_name)}-cuda-tile-{_slug(cutile_version)}.json"
-        cache = _caches[key] = _caches_by_path.setdefault(path, TuneCache(path))
+        directory = usable_cache_dir()
+        # v2: entries are checked field by field; files of the older format are not read.
+        path = (directory or cache_dir()) / f"autotune-v2-{_slug(device_name)}-cuda-tile-{_slug(cutile_version)}.json"
+        cache = _caches[key] = _caches_by_path.setdefault(path, TuneCache(path, on_disk=directory is not None))
     return cache
-
-
-def _progress(message: str) -> None:
-    if os.environ.get("TILEGYM_AUTOTUNE_QUIET", "").strip().lower() not in _TRUE:
-        logger.info(message)
 
 
 @dataclass(frozen=True)
@@ -199,18 +325,39 @@ def choose_config(
     stream,
     compile_timeout_sec: float = 120.0,
 ) -> TileConfig:
-    """The config to launch with: default, cached, or freshly tuned."""
+    """The config to launch with: default, cached, or freshly tuned.
+
+    Threads that meet a new shape together (one per stream, say) tune it once: the others
+    wait for that choice and take it from the cache, rather than tune again and maybe differ.
+    """
     known = _known_choice(launch, candidates, shape_key, cache)
     if known is not None:
         return known
-    started = time.perf_counter()
-    best = _search(launch, candidates, stream, compile_timeout_sec)
-    elapsed = time.perf_counter() - started
-    _progress(
-        f"tuned {launch.name} for {shape_key}: {len(candidates)} configs in {elapsed:.1f} s, chose {best.to_json()}"
-    )
-    cache.put(_tune_key(launch, shape_key), best)
+    tune_key = _tune_key(launch, shape_key)
+    with _tuning_lock(cache.path, tune_key):
+        known = _known_choice(launch, candidates, shape_key, cache)
+        if known is not None:
+            return known
+        quiet = env.flag("TILEGYM_AUTOTUNE_QUIET", False)  # read first: a bad value fails before the search
+        started = time.perf_counter()
+        best = _search(launch, candidates, stream, compile_timeout_sec)
+        elapsed = time.perf_counter() - started
+        if not quiet:
+            logger.info(
+                f"tuned {launch.name} for {shape_key}: {len(candidates)} configs in {elapsed:.1f} s, "
+                f"chose {best.to_json()}"
+            )
+        cache.put(tune_key, best)
     return best
+
+
+_tuning_locks: dict[tuple[Path, str], threading.Lock] = {}
+_tuning_locks_guard = threading.Lock()
+
+
+def _tuning_lock(path: Path, tune_key: str) -> threading.Lock:
+    with _tuning_locks_guard:
+        return _tuning_locks.setdefault((path, tune_key), threading.Lock())
 
 
 # Each candidate is timed for about this long after its first (compiling) launch: long

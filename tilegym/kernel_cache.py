@@ -8,17 +8,21 @@ specializes a launch on (dtypes, constants, alignment facts), the compiler hints
 arch, the cuda-tile version, the compiler binary and the CUDA_TILE* environment. So a kernel
 must call only code of its own package and of cuda.tile.
 
-Entries live in <autotune.cache_dir()>/kernels, at most _MAX_ENTRIES of them (the least
+Entries live in <autotune.usable_cache_dir()>/kernels, at most _MAX_ENTRIES of them (the least
 recently used go first). TILEGYM_KERNEL_CACHE=0 turns the cache off. Any failure to build a
-key, read or write falls back to cuTile's own path.
+key, read or write falls back to cuTile's own path. An entry's header holds a digest of the
+rest: the driver loads a cubin unchecked, and half a cubin crashes the process, so an entry
+that fails the check is deleted (one warning) and compiled again.
 
 Ahead: CachedKernel.compile_ahead starts compiling a kernel for the arguments of a launch to
 come, in a background thread; that launch then waits for the result instead of compiling. A
 compile takes seconds, nearly all of it in the tileiras process, which cuTile runs under
 one lock per process; here the lock is held only while the kernel is lowered to bytecode
-(tenths of a second), so that kernels compile side by side.
+(tenths of a second), so that kernels compile side by side. At exit, compiles still queued
+are cancelled, and the one running is bounded by _AHEAD_TIMEOUT_SEC: exit waits for no more.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -28,21 +32,30 @@ import shutil
 import sys
 import tempfile
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 import cuda.tile as ct
 
-from tilegym import autotune
+from tilegym import autotune, env
 
 logger = logging.getLogger("tilegym.kernel_cache")
 _MAX_ENTRIES = 256
-_SUFFIX = ".cubin"
+# v2: a header with a digest; entries of the older format (".cubin" alone) are never read,
+# and age out as the least recently used.
+_FORMAT = b"tilegym-kernel-v2"
+_SUFFIX = ".v2.cubin"
+_ANY_FORMAT = "*.cubin"
+# A compile started ahead gives up after this long, as tuning does with a candidate (a
+# compile takes about 4 s): exit waits for the running one, and it must end.
+_AHEAD_TIMEOUT_SEC = 120.0
 
 
 def enabled() -> bool:
-    return os.environ.get("TILEGYM_KERNEL_CACHE", "").strip().lower() not in ("0", "false", "no", "off")
+    """TILEGYM_KERNEL_CACHE: on unless 0/false/no/off."""
+    return env.flag("TILEGYM_KERNEL_CACHE", True)
 
 
 class CachedKernel(ct.kernel):
@@ -53,8 +66,8 @@ class CachedKernel(ct.kernel):
         if ahead is not None:
             try:
                 return ahead.result(timeout=context.config.compiler_timeout_sec)
-            except Exception:  # failed or late: compiled again below, so that the launch raises the error
-                pass
+            except Exception:  # failed, late or cancelled at exit: compiled again below, so that
+                pass  # the launch raises the error
         return self._compile_now(signature, context, compute_capability)
 
     def compile_ahead(self, args, compute_capability=None) -> None:
@@ -77,11 +90,15 @@ class CachedKernel(ct.kernel):
         key = _ahead_key(self, signature, compute_capability)
         with _ahead_lock:
             if key not in _ahead_compiles:
-                work = _compile_pool().submit(self._compile_now, signature, default_tile_context, compute_capability)
+                work = _compile_pool().submit(
+                    self._compile_now, signature, default_tile_context, compute_capability, _AHEAD_TIMEOUT_SEC
+                )
                 _ahead_compiles[key] = work
             return _ahead_compiles[key]
 
-    def _compile_now(self, signature, context, compute_capability):
+    def _compile_now(self, signature, context, compute_capability, timeout_sec: float | None = None):
+        """Compiled code from the cache, else compiled now; timeout_sec bounds the compiler
+        beyond the context's timeout (where it has one at all)."""
         if not enabled():
             return super()._compile(signature, context, compute_capability)
         path = _entry_path(self, signature, compute_capability)
@@ -89,7 +106,8 @@ class CachedKernel(ct.kernel):
         if found is not None:
             symbol, cubin = found
             return cubin, symbol, None, ()
-        compiled = _compile_outside_lock(self, signature, context, compute_capability)
+        limit = _shorter(timeout_sec, context.config.compiler_timeout_sec)
+        compiled = _compile_outside_lock(self, signature, context, compute_capability, limit)
         if compiled is None:
             compiled = super()._compile(signature, context, compute_capability)
         cubin, symbol, _, library_providers = compiled
@@ -114,13 +132,24 @@ def _ahead_key(kernel: CachedKernel, signature, compute_capability) -> tuple:
     return kernel, repr(signature), tuple(compute_capability or get_compute_capability())  # kernels hash by identity
 
 
+def _shorter(timeout_sec: float | None, other_sec: float | None) -> float | None:
+    """The shorter of two timeouts, where None is none."""
+    return other_sec if timeout_sec is None else timeout_sec if other_sec is None else min(timeout_sec, other_sec)
+
+
 @cache
 def _compile_pool() -> ThreadPoolExecutor:
     # Each compile is mostly a tileiras process: one thread per core, up to a handful of kernels.
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tilegym-compile")
+    pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tilegym-compile")
+    # Python joins the pool's threads at exit, after running every queued compile (seconds
+    # each): cancel those first. Hooks of threading run before that join, atexit's after it.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(lambda: pool.shutdown(wait=False, cancel_futures=True))
+    return pool
 
 
-def _compile_outside_lock(kernel: CachedKernel, signature, context, compute_capability):
+def _compile_outside_lock(kernel: CachedKernel, signature, context, compute_capability, timeout_sec: float | None):
     """(cubin, symbol, None, ()) as cuTile's compile makes them, with cuTile's compiler lock
     held only while lowering to bytecode; None where that cannot be done (a kernel that
     needs a library set-up, internals of another cuda-tile version): cuTile's own path then."""
@@ -139,7 +168,7 @@ def _compile_outside_lock(kernel: CachedKernel, signature, context, compute_capa
     with tempfile.TemporaryDirectory(prefix="tilegym-", dir=context.config.temp_dir) as scratch:
         bytecode = Path(scratch) / "kernel.bytecode"
         bytecode.write_bytes(lowered.bytecode)
-        cubin = compile_cubin(str(bytecode), options, arch, context.config.compiler_timeout_sec).read_bytes()
+        cubin = compile_cubin(str(bytecode), options, arch, timeout_sec).read_bytes()
     return cubin, lowered.kernel_signatures[0].symbol, None, ()
 
 
@@ -165,8 +194,11 @@ def _entry_path(kernel: CachedKernel, signature, compute_capability) -> Path | N
     except Exception as error:  # a cuda-tile whose internals moved: use its own path
         logger.debug("no kernel cache key: %s", error)
         return None
+    directory = autotune.usable_cache_dir()
+    if directory is None:
+        return None
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
-    return autotune.cache_dir() / "kernels" / f"{digest}{_SUFFIX}"
+    return directory / "kernels" / f"{digest}{_SUFFIX}"
 
 
 @cache
@@ -203,32 +235,58 @@ def _package_digest(module_name: str) -> str:
 
 
 def _read(path: Path) -> tuple[str, bytes] | None:
-    """(symbol, cubin) of an entry: the symbol's line, then the cubin."""
+    """(symbol, cubin) of an entry; None if there is none or it fails its check (then it is
+    deleted, with a warning, so that the compile that follows stores a sound one)."""
     try:
         data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        return _discard(path, f"it cannot be read ({error})")
+    with contextlib.suppress(OSError):  # a read-only cache still serves its entries
         os.utime(path)  # recently used
-    except OSError:
-        return None
-    symbol, newline, cubin = data.partition(b"\n")
-    if not newline or not cubin:
-        return None
-    return symbol.decode(), cubin
+    header, newline, cubin = data.partition(b"\n")
+    fields = header.split(b" ", 2)  # the symbol last, whatever it holds
+    if not newline or len(fields) != 3 or fields[0] != _FORMAT:
+        return _discard(path, "its header is not tilegym's")
+    _, digest, symbol = fields
+    if digest != _digest(path, symbol, cubin):
+        return _discard(path, "its digest does not match (a cut or altered file)")
+    try:
+        return symbol.decode(), cubin
+    except UnicodeDecodeError:
+        return _discard(path, "its symbol is not text")
 
 
 def _write(path: Path, symbol: str, cubin: bytes) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
-        partial.write_bytes(symbol.encode() + b"\n" + cubin)
-        partial.replace(path)  # readers never see half an entry
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        encoded = symbol.encode()
+        autotune.write_file(path, b" ".join((_FORMAT, _digest(path, encoded, cubin), encoded)) + b"\n" + cubin)
         _evict(path)
     except OSError as error:
         logger.debug("could not keep a compiled kernel in %s: %s", path.parent, error)
 
 
+def _digest(path: Path, symbol: bytes, cubin: bytes) -> bytes:
+    """Covers the entry's name too: an entry copied under another key's name fails it."""
+    return hashlib.sha256(path.name.encode() + b"\0" + symbol + b"\0" + cubin).hexdigest().encode()
+
+
+def _discard(path: Path, problem: str) -> None:
+    warnings.warn(f"tilegym: deleted the damaged compiled kernel {path}: {problem}; compiling it again", stacklevel=2)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
+
+
 def _evict(kept: Path) -> None:
     """Removes the least recently used entries past _MAX_ENTRIES, never the one just written."""
-    others = [entry for entry in kept.parent.glob(f"*{_SUFFIX}") if entry != kept]
-    others.sort(key=lambda entry: entry.stat().st_mtime_ns)
+    used = {}
+    for entry in kept.parent.glob(_ANY_FORMAT):
+        with contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
+            used[entry] = entry.stat().st_mtime_ns
+    used.pop(kept, None)
+    others = sorted(used, key=used.get)
     for entry in others[: max(0, len(others) + 1 - _MAX_ENTRIES)]:
         entry.unlink(missing_ok=True)
