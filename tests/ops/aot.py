@@ -12,7 +12,7 @@ from pathlib import Path
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 
-from tilegym import autotune
+from tilegym import autotune, index_width
 from tilegym.ops.attention import configs, kernels
 
 KERNELS = {
@@ -29,12 +29,12 @@ KERNELS = {
 _ROW_STATS = ("Lse", "Delta", "LseBase2")
 
 
-def _array(dtype, ndim: int) -> ArrayConstraint:
+def _array(dtype, ndim: int, index_dtype=ct.int32) -> ArrayConstraint:
     """An array as PyTorch hands over a contiguous, 16-byte aligned tensor."""
     return ArrayConstraint(
         dtype=dtype,
         ndim=ndim,
-        index_dtype=ct.int32,
+        index_dtype=index_dtype,
         stride_lower_bound_incl=0,
         alias_groups=(),
         may_alias_internally=False,
@@ -49,12 +49,14 @@ PLAIN = {"windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bi
 
 
 def signature(
-    kernel_name: str, dtype, head_dim: int, config: autotune.TileConfig, causal: bool, switches=None
+    kernel_name: str, dtype, head_dim: int, config: autotune.TileConfig, causal: bool, switches=None, wide=False
 ) -> KernelSignature:
     """The kernel's signature for one launch, built from its parameter names and annotations.
 
-    switches overrides entries of PLAIN (the score modifiers' compile-time switches).
+    switches overrides entries of PLAIN (the score modifiers' compile-time switches); wide
+    gives every array int64 sizes and strides (index_width.wide's twin of the kernel).
     """
+    index_dtype = ct.int64 if wide else ct.int32
     kernel = KERNELS[kernel_name]
     stat_dtype = ct.float64 if dtype == ct.float64 else ct.float32
     constants = {
@@ -83,21 +85,22 @@ def signature(
             or (name == "DQSum" and constants["sum_dq"])
             or (name in ("dK", "dV") and constants["sum_dkdv"])
         ):
-            params.append(_array(stat_dtype, 3 if name in _ROW_STATS else 4))
+            params.append(_array(stat_dtype, 3 if name in _ROW_STATS else 4, index_dtype))
         elif name == "Slopes":
-            params.append(_array(ct.float32, 2))
+            params.append(_array(ct.float32, 2, index_dtype))
         else:
-            params.append(_array(dtype, 4))
+            params.append(_array(dtype, 4, index_dtype))
     return KernelSignature(params, CallingConvention.cutile_python_v2()).with_mangled_symbol(kernel_name)
 
 
 def compile_cubin(
-    kernel_name: str, dtype, head_dim: int, config, causal: bool, arch: str, path: Path, switches=None
+    kernel_name: str, dtype, head_dim: int, config, causal: bool, arch: str, path: Path, switches=None, wide=False
 ) -> Path:
-    kernel = autotune.with_hints(KERNELS[kernel_name], config)
+    kernel = KERNELS[kernel_name]
+    kernel = autotune.with_hints(index_width.wide(kernel) if wide else kernel, config)
     export_kernel(
         kernel,
-        [signature(kernel_name, dtype, head_dim, config, causal, switches)],
+        [signature(kernel_name, dtype, head_dim, config, causal, switches, wide)],
         str(path),
         gpu_code=arch,
         output_format="cubin",

@@ -117,3 +117,14 @@ def _check_modified_compile(kernel, dtype, head_dim, config, switches, tmp_path)
     spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
     assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
     assert not aot.matmuls_serialized(text), "every HGMMA is waited for alone: too few registers to pipeline them"
+
+
+@pytest.mark.parametrize("kernel", configs.KERNELS + (configs.BACKWARD_FUSED, configs.FORWARD_LSE_FIXED_MAX), ids=str)
+def test_op_attention_int64_indexed_twins_compile(kernel, tmp_path):
+    """Each kernel's int64-indexed twin (index_width.wide), which runs where a size or stride
+    passes int32, compiles for sm_90 with every array indexed by int64, its positions in int32.
+    (The fixed-max forwards are never run wide: launch._fixed_max_forward.)"""
+    config = configs.candidates(kernel, "sm_90", 64, element_size=2)[0]
+    cubin = aot.compile_cubin(kernel, ct.bfloat16, 64, config, True, "sm_90", tmp_path / "k.cubin", wide=True)
+    text = aot.sass(cubin)
+    assert aot.count_instructions(text, "HGMMA") > 0 or kernel == configs.BACKWARD_PREPROCESS

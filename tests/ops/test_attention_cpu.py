@@ -1,5 +1,6 @@
-"""Attention checks that need no GPU: autotune switches and cache, config tables, validation, reference."""
+"""Attention checks that need no GPU: config tables, validation, index widths, launch arguments, reference."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -7,35 +8,10 @@ import sys
 import pytest
 import torch
 
-from tilegym import autotune, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
-from tilegym.autotune import TileConfig
+from tilegym import index_width, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import configs, launch, score_mods
 from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
 from tilegym.ops.attention.score_mods import ScoreMods
-
-
-@pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
-def test_op_disable_autotune_true(monkeypatch, value):
-    monkeypatch.setenv("DISABLE_AUTOTUNE", value)
-    assert autotune.autotune_disabled()
-
-
-@pytest.mark.parametrize("value", ["0", "false", "No", "off", ""])
-def test_op_disable_autotune_false(monkeypatch, value):
-    monkeypatch.setenv("DISABLE_AUTOTUNE", value)
-    assert not autotune.autotune_disabled()
-
-
-def test_op_disable_autotune_unset(monkeypatch):
-    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
-    assert not autotune.autotune_disabled()
-
-
-@pytest.mark.parametrize("value", ["2", "maybe", "enabled"])
-def test_op_disable_autotune_invalid(monkeypatch, value):
-    monkeypatch.setenv("DISABLE_AUTOTUNE", value)
-    with pytest.raises(ValueError, match="DISABLE_AUTOTUNE"):
-        autotune.autotune_disabled()
 
 
 def test_op_import_touches_no_gpu():
@@ -105,135 +81,6 @@ def test_op_arch_family(capability, arch):
     assert configs.arch_family(capability) == arch
 
 
-# ---- autotune cache --------------------------------------------------------------------------
-
-
-def test_op_tune_cache_round_trip(monkeypatch, tmp_path):
-    monkeypatch.setenv("TILEGYM_CACHE_DIR", str(tmp_path))
-    cache = autotune.tune_cache("NVIDIA H100 80GB HBM3", "1.7.0")
-    config = TileConfig(block_m=128, block_n=64, num_worker_warps=8)
-    cache.put("attention_forward|key", config)
-    files = list(tmp_path.glob("*.json"))
-    assert len(files) == 1 and "H100" in files[0].name and "1.7.0" in files[0].name
-    fresh = autotune.TuneCache(files[0])  # as a new process would read it
-    assert fresh.get("attention_forward|key") == config
-    assert fresh.get("attention_forward|other") is None
-
-
-def test_op_tune_cache_follows_the_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("TILEGYM_CACHE_DIR", str(tmp_path / "a"))
-    first = autotune.tune_cache("GPU", "1.7.0")
-    assert autotune.tune_cache("GPU", "1.7.0") is first
-    monkeypatch.setenv("TILEGYM_CACHE_DIR", str(tmp_path / "b"))
-    second = autotune.tune_cache("GPU", "1.7.0")
-    assert second.path.parent == tmp_path / "b" and first.path.parent == tmp_path / "a"
-    monkeypatch.delenv("TILEGYM_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a"))
-    assert autotune.tune_cache("GPU", "1.7.0").path == tmp_path / "a" / "tilegym" / first.path.name
-
-
-def test_op_tune_cache_ignores_corrupt_file(tmp_path):
-    path = tmp_path / "cache.json"
-    path.write_text("{not json")
-    cache = autotune.TuneCache(path)
-    assert cache.get("anything") is None
-    cache.put("k", TileConfig(block_m=64, block_n=64))
-    assert autotune.TuneCache(path).get("k") == TileConfig(block_m=64, block_n=64)
-
-
-class _FakeLaunch:
-    name = "fake_kernel"
-    kernel = object()
-
-    @staticmethod
-    def grid(config):
-        return (1,)
-
-    @staticmethod
-    def args(config):
-        return ()
-
-
-def test_op_choose_config_disabled_takes_first(monkeypatch, tmp_path):
-    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
-    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
-    cache = autotune.TuneCache(tmp_path / "c.json")
-    cache.put("fake_kernel|shape", candidates[1])
-    assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[0]
-
-
-def test_op_choose_config_uses_cache_without_tuning(monkeypatch, tmp_path):
-    monkeypatch.setenv("DISABLE_AUTOTUNE", "0")
-    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
-    cache = autotune.TuneCache(tmp_path / "c.json")
-    cache.put("fake_kernel|shape", candidates[1])
-
-    def no_search(*args, **kwargs):
-        raise AssertionError("a cached shape must not be tuned again")
-
-    monkeypatch.setattr(autotune, "_search", no_search)
-    assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[1]
-
-
-def test_op_choose_config_tunes_once_and_stores(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("DISABLE_AUTOTUNE", "off")
-    monkeypatch.delenv("TILEGYM_AUTOTUNE_QUIET", raising=False)
-    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
-    calls = []
-
-    def fake_search(launch, cands, stream, timeout):
-        calls.append(cands)
-        return cands[1]
-
-    monkeypatch.setattr(autotune, "_search", fake_search)
-    cache = autotune.TuneCache(tmp_path / "c.json")
-    for _ in range(3):
-        assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[1]
-    assert len(calls) == 1
-    assert autotune.TuneCache(tmp_path / "c.json").get("fake_kernel|shape") == candidates[1]
-    progress = capsys.readouterr().err.strip().splitlines()
-    assert len(progress) == 1 and "tuned fake_kernel" in progress[0]
-
-
-def test_op_tuning_progress_can_be_silenced(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("DISABLE_AUTOTUNE", "0")
-    monkeypatch.setenv("TILEGYM_AUTOTUNE_QUIET", "1")
-    monkeypatch.setattr(autotune, "_search", lambda launch, cands, stream, timeout: cands[0])
-    autotune.choose_config(
-        _FakeLaunch, [TileConfig(64, 64), TileConfig(32, 32)], "s", autotune.TuneCache(tmp_path / "c"), None
-    )
-    assert capsys.readouterr().err == ""
-
-
-def test_op_search_falls_back_when_every_candidate_fails(monkeypatch):
-    def failing(launch, config, stream):
-        raise RuntimeError("tileiras: out of registers")
-
-    monkeypatch.setattr(autotune, "_median_ms", failing)
-    candidates = [TileConfig(64, 64), TileConfig(128, 128)]
-    with pytest.warns(UserWarning) as record:
-        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[0]
-    assert len(record) == 3 and "using the default" in str(record[-1].message)
-
-
-def test_op_search_warns_once_per_failed_candidate_and_picks_the_fastest(monkeypatch):
-    candidates = [TileConfig(64, 64), TileConfig(128, 128), TileConfig(32, 32), TileConfig(16, 16)]
-    times = {candidates[2]: 2.0, candidates[3]: 1.5}
-
-    def fake_median(launch, config, stream):
-        if config == candidates[0]:
-            raise RuntimeError("ptxas out of registers\nmore")
-        if config == candidates[1]:
-            raise TimeoutError()
-        return times[config]
-
-    monkeypatch.setattr(autotune, "_median_ms", fake_median)
-    with pytest.warns(UserWarning) as record:
-        assert autotune._search(_FakeLaunch, candidates, stream=None, compile_timeout_sec=1) == candidates[3]
-    assert len(record) == 2 and "ptxas out of registers" in str(record[0].message)
-    assert "TimeoutError" in str(record[1].message)
-
-
 # ---- validation ---------------------------------------------------------------------------
 
 
@@ -282,9 +129,19 @@ def test_op_attention_rejects_bad_input(api, mutate, error, message):
         ({"scaling": True}, TypeError, "scaling must be a float"),
         ({"scaling": math.nan}, ValueError, "scaling must be finite"),
         ({"scaling": 1e300}, ValueError, "float32 range"),
+        ({"scaling": 10**400}, ValueError, "scaling must be finite and within the float32 range"),
+        ({"scaling": -(10**400)}, ValueError, "scaling must be finite and within the float32 range"),
         ({"is_causal": 1}, TypeError, "is_causal must be a bool"),
     ],
-    ids=["str-scale", "bool-scale", "nan-scale", "huge-scale", "int-causal"],
+    ids=[
+        "str-scale",
+        "bool-scale",
+        "nan-scale",
+        "huge-scale",
+        "int-beyond-float",
+        "negative-int-beyond-float",
+        "int-causal",
+    ],
 )
 def test_op_attention_rejects_bad_options(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -411,6 +268,8 @@ class _RecordingLauncher:
     def candidates(self, name):
         return configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)
 
+    kernel = launch._Launcher.kernel
+
     def launch(self, launch):
         if launch.reset is not None:
             launch.reset()
@@ -459,6 +318,109 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
     for stat in ("Delta", "LseBase2"):
         written, read = values_of[configs.BACKWARD_DQ][stat], values_of[configs.BACKWARD_DKDV][stat]
         assert written.data_ptr() == read.data_ptr() and written.shape == read.shape == (batch, 4, 40), stat
+
+
+# ---- index widths ------------------------------------------------------------------------------
+
+
+def test_op_index_ranges_refuse_what_int32_positions_cannot_hold():
+    """The largest sizes the kernels' int32 position arithmetic holds pass, one more is refused."""
+    launch._check_index_ranges(1, 2**28, 2**28)
+    launch._check_index_ranges(7, 2**28, 2**28 // 7 - 2**28 // 7 % 2)
+    with pytest.raises(ValueError, match="seqlen_q \\+ seqlen_k is 536870913"):
+        launch._check_index_ranges(1, 2**28, 2**28 + 1)
+    with pytest.raises(ValueError, match="heads \\* \\(seqlen_q \\+ seqlen_k\\)"):
+        launch._check_index_ranges(65535, 2**15, 2**15)
+
+
+@pytest.mark.parametrize(
+    "shape, stride, offset, wide",
+    [
+        ((4, 32, 131072, 128), None, 0, False),  # 2**31 elements, strides in int32, bulk copies
+        ((4, 32, 131072, 128), None, 1, True),  # the same one element off alignment
+        ((4, 32, 131072, 127), (32 * 131072 * 127, 131072 * 127, 127, 1), 0, True),  # odd row stride
+        ((2, 16, 1024, 128), None, 1, False),  # misaligned but within 2**31 bytes
+        ((1, 16, 1048653, 128), None, 0, True),  # the batch stride passes int32
+        ((2, 8, 16, 64), (2**31, 1024, 64, 1), 0, True),  # a view into a larger tensor
+        ((2**31, 1, 1, 1), None, 0, True),
+    ],
+)
+def test_op_needs_int64_reads_sizes_strides_and_alignment(shape, stride, offset, wide):
+    """Sizes or strides past int32 need int64 indexing; so do more than 2**31 bytes that bulk
+    copies cannot move (a misaligned base or stride), whose 32-bit offsets wrapped on an H100."""
+    stride = stride or torch.empty(shape, device="meta").stride()
+    t = torch.empty_strided(shape, stride, dtype=torch.bfloat16, device="meta")
+    if offset:
+        t = torch.empty(1, dtype=torch.bfloat16, device="meta").as_strided(shape, stride, offset)
+        t = _MisalignedView(t)
+    assert index_width.needs_int64(t) is wide
+
+
+class _MisalignedView:
+    """A meta tensor's sizes and strides with an odd address (meta tensors all read as 0)."""
+
+    def __init__(self, t):
+        self.shape, self._t = t.shape, t
+
+    def stride(self, dim=None):
+        return self._t.stride() if dim is None else self._t.stride(dim)
+
+    def dim(self):
+        return self._t.dim()
+
+    def numel(self):
+        return self._t.numel()
+
+    def element_size(self):
+        return self._t.element_size()
+
+    def data_ptr(self):
+        return 2
+
+
+@pytest.mark.parametrize(
+    "sizes, bias_rows, wide",
+    [
+        ((4, 32, 32, 131072, 131072, 128), None, False),
+        ((1, 16, 16, 1048653, 200, 128), None, True),  # out's batch stride passes int32
+        ((1, 4, 4, 16384, 16384, 64), 16384, False),  # a full dBias past 2**31 bytes, aligned rows
+        ((1, 4, 4, 16383, 16383, 64), 16383, True),  # the same with odd rows
+        ((1, 16, 16, 16384, 16384, 64), 16384, True),  # its batch stride passes int32
+        ((2, 16, 16, 16384, 16384, 64), 1, False),
+    ],
+)
+def test_op_allocations_checked_for_int64_indexing(sizes, bias_rows, wide):
+    bias = None if bias_rows is None else torch.empty(1, dtype=torch.float32)
+    mode = score_mods.BIAS_ONE_ROW if bias_rows == 1 else score_mods.BIAS_PER_ROW
+    assert launch._allocations_need_int64(*sizes, 2, bias, mode) is wide
+
+
+def test_op_wide_problems_launch_int64_indexed_twins(monkeypatch):
+    """A problem with a size or stride past int32 launches every kernel's int64-indexed twin,
+    whose array parameters are all annotated, under a tuning key of its own; others the kernels
+    themselves. A d_out with such a stride widens the backward alone."""
+    import cuda.tile as ct
+
+    from tilegym.ops.attention import kernels
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    q, k, v = _cpu_inputs(q_shape=(2, 4, 40, 64), kv_shape=(2, 2, 24, 64))
+    narrow = launch.AttentionProblem(2, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, True)
+    for problem, wide in ((narrow, False), (dataclasses.replace(narrow, wide_index=True), True)):
+        _RecordingLauncher.launches = []
+        out, lse = launch.forward(q, k, v, problem, with_lse=True)
+        launch.backward(torch.randn_like(q), q, k, v, out, lse, problem)
+        for name, kernel, *_ in _RecordingLauncher.launches:
+            annotations = kernel._pyfunc.__annotations__
+            parameters = kernel._pyfunc.__code__.co_varnames[: kernel._pyfunc.__code__.co_argcount]
+            arrays = [parameter for parameter in ("Q", "Out", "dOut", "Lse", "LseBase2") if parameter in parameters]
+            assert arrays and all((annotations.get(a) == ct.IndexedWithInt64) is wide for a in arrays), name
+            assert annotations["block_m"] == kernels.ConstInt, name
+        assert problem.shape_key("sm_90").endswith("|int64-index") is wide
+    _RecordingLauncher.launches = []
+    d_out = torch.empty_strided(q.shape, (2**31, 40 * 64, 64, 1), dtype=q.dtype, device="meta")
+    launch.backward(d_out, q, k, v, out, lse, narrow)
+    assert all(kernel._pyfunc.__qualname__.endswith("_int64_index") for _, kernel, *_ in _RecordingLauncher.launches)
 
 
 # ---- fused backward ---------------------------------------------------------------------------
@@ -615,6 +577,7 @@ MIN_FIXED_MAX = configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
         (128, 8, MIN_FIXED_MAX[128], False, torch.float32, None, False),  # fp32 keeps the running max
         (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(softcap=30.0), False),  # modified scores
         (256, 8, 1 << 16, False, torch.bfloat16, None, False),  # no table
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, "wide", False),  # int64 indexing
     ],
 )
 def test_op_forward_fixed_max_choice(monkeypatch, head_dim, seqlen_q, seqlen_k, causal, dtype, mods, expected):
@@ -624,7 +587,9 @@ def test_op_forward_fixed_max_choice(monkeypatch, head_dim, seqlen_q, seqlen_k, 
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
     q, k, v = _cpu_inputs(q_shape=(1, 2, seqlen_q, head_dim), kv_shape=(1, 2, seqlen_k, head_dim), dtype=dtype)
-    problem = launch.AttentionProblem(1, 2, 2, seqlen_q, seqlen_k, head_dim, dtype, 0.1, causal, mods or launch.PLAIN)
+    wide = mods == "wide"
+    mods = launch.PLAIN if wide or mods is None else mods
+    problem = launch.AttentionProblem(1, 2, 2, seqlen_q, seqlen_k, head_dim, dtype, 0.1, causal, mods, wide)
     launch.forward(q, k, v, problem, with_lse=True)
     launch.forward(q, k, v, problem, with_lse=False)
     names = [name for name, *_ in _RecordingLauncher.launches]

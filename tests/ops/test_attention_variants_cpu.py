@@ -31,7 +31,48 @@ def _q(batch=2, heads=4, seqlen_q=10, head_dim=32):
     ],
 )
 def test_op_window_merges_causal(window, causal, expected):
-    assert score_mods.check_window(window, causal) == expected
+    assert score_mods.check_window(window, causal, seqlen_q=100, seqlen_k=100) == expected
+
+
+_HUGE = 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    "window, causal, seqlen_q, seqlen_k, expected",
+    [
+        ((_HUGE, 0), True, 100, 100, (None, True)),
+        ((0, _HUGE), False, 100, 100, ((0, -1), False)),
+        ((_HUGE, _HUGE), False, 100, 100, (None, False)),
+        ((2**80, 3), False, 100, 100, ((-1, 3), False)),
+        # The left side reaches every key from Sk - 1 on, the right side from Sq - 1 on.
+        ((99, 0), True, 100, 100, (None, True)),
+        ((98, 0), True, 100, 100, ((98, 0), False)),
+        ((4, 9), False, 10, 300, ((4, -1), False)),
+        ((4, 8), False, 10, 300, ((4, 8), False)),
+        ((299, 2), False, 10, 300, ((-1, 2), False)),
+        ((0, 0), False, 1, 50, ((0, -1), False)),
+        ((0, 0), True, 1, 50, ((0, 0), False)),
+    ],
+)
+def test_op_window_sides_past_the_sequences_are_unbounded(window, causal, seqlen_q, seqlen_k, expected):
+    """A side at or past the keys it could reach means unbounded, however large: the kernels
+    then never add it to a position (2**31 - 1 overflowed their int32 sums)."""
+    assert score_mods.check_window(window, causal, seqlen_q, seqlen_k) == expected
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (7, 300), (300, 7), (2**28, 2**28)])
+@pytest.mark.parametrize("window", [(_HUGE, 0), (0, _HUGE), (_HUGE, _HUGE), (_HUGE - 5, 3), (3, _HUGE - 5)])
+def test_op_window_kernel_sums_fit_int32(window, seqlen_q, seqlen_k):
+    """Every sum the kernels form from a window side and a position stays within int32: the
+    values _ModArgs hands over at the largest accepted sequences, with the extreme sides."""
+    checked, _ = score_mods.check_window(window, False, seqlen_q, seqlen_k)
+    problem = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.float16, 0.1, False,
+                                      ScoreMods(window=checked))  # fmt: skip
+    left, right = launch._ModArgs(problem, score_mods.NO_TENSORS, torch.empty(1)).values[-2:]
+    block = configs.MAX_BLOCK
+    last_row, last_col, shift = seqlen_q + block, seqlen_k + block, abs(seqlen_k - seqlen_q)
+    extremes = (last_row + shift + right + block, last_col + shift + left + block, -(left + right + shift + block))
+    assert all(abs(value) <= 2**31 - 1 for value in extremes)
 
 
 @pytest.mark.parametrize(
@@ -47,7 +88,7 @@ def test_op_window_merges_causal(window, causal, expected):
 )
 def test_op_window_rejects(window, causal, error, message):
     with pytest.raises(error, match=message):
-        score_mods.check_window(window, causal)
+        score_mods.check_window(window, causal, seqlen_q=100, seqlen_k=100)
 
 
 @pytest.mark.parametrize(
@@ -62,8 +103,15 @@ def test_op_softcap_rejects(softcap, error, message):
 
 
 def test_op_softcap_off_values():
+    """0 turns softcap off, as in FlashAttention; the README says the same."""
     assert score_mods.check_softcap(None, 0.1) == 0.0 and score_mods.check_softcap(0, 0.1) == 0.0
-    assert score_mods.check_softcap(30, 0.1) == 30.0
+    assert score_mods.check_softcap(0.0, 0.1) == 0.0 and score_mods.check_softcap(30, 0.1) == 30.0
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)])
+def test_op_softcap_beyond_float_is_a_value_error(value):
+    with pytest.raises(ValueError, match="softcap must be a finite"):
+        score_mods.check_softcap(value, 0.125)
 
 
 @pytest.mark.parametrize(

@@ -249,3 +249,14 @@ def candidates(
     if modified:
         choices = [config for config in choices if (config.num_ctas or 1) == 1]
     return tuple(choices)
+
+
+def _all_configs():
+    tables = [*(table for kernels in TABLES.values() for table in kernels.values()), *WIDE_TABLE.values()]
+    tables += list(MODIFIED_TABLES.values())
+    return [config for table in tables for choices in table.values() for config in choices]
+
+
+# The longest tile along a sequence in any table: a buffer padded to whole tiles of any config
+# has at most this many extra rows.
+MAX_BLOCK = max(max(config.block_m, config.block_n or 0) for config in _all_configs())

@@ -50,6 +50,13 @@ def _load_row_stat(array, b, h, tile_index, rows: ConstInt):
 
 
 @ct.function
+def _seqlens(Q, K):
+    """(Sq, Sk) as int32 also where the arrays are indexed with int64 (index_width.wide): the
+    host keeps Sq + Sk below 2**29, so positions and tile numbers stay 32-bit."""
+    return ct.astype(Q.shape[2], ct.int32), ct.astype(K.shape[2], ct.int32)
+
+
+@ct.function
 def _accumulator_dtype(dtype):
     return ct.float64 if dtype == ct.float64 else ct.float32
 
@@ -522,8 +529,7 @@ def _forward_tile(
     fixed_max: ConstBool,
 ):
     q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
-    seqlen_q = Q.shape[2]
-    seqlen_k = K.shape[2]
+    seqlen_q, seqlen_k = _seqlens(Q, K)
     acc_dtype = _accumulator_dtype(Q.dtype)
     qk_scale_log2 = _scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     windowed, capped, bias_mode, alibi = switches
@@ -897,8 +903,7 @@ def attention_backward_dkdv_kernel(
         kv_head = head
         first_q_head = kv_head * query_group_size
         members = query_group_size
-    seqlen_q = Q.shape[2]
-    seqlen_k = K.shape[2]
+    seqlen_q, seqlen_k = _seqlens(Q, K)
     acc_dtype = _accumulator_dtype(K.dtype)
     qk_scale_log2 = _scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     softmax_scale = _scale(softmax_scale, softmax_scale_lo, acc_dtype)
@@ -1071,8 +1076,7 @@ def attention_backward_dq_kernel(
     (_row_stats), which the dK/dV kernel launched after it reads: no preprocess kernel, and Out
     costs a load of one tile per program instead of a pass of its own over Out and dOut."""
     q_tile, q_head, b, kv_head = _query_program(query_group_size, causal)
-    seqlen_q = Q.shape[2]
-    seqlen_k = K.shape[2]
+    seqlen_q, seqlen_k = _seqlens(Q, K)
     acc_dtype = _accumulator_dtype(Q.dtype)
     qk_scale_log2 = _scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     softmax_scale = _scale(softmax_scale, softmax_scale_lo, acc_dtype)

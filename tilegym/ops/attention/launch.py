@@ -1,20 +1,22 @@
 """Host side of attention: argument checks, output allocation, grids and tuned launches."""
 
+import dataclasses
 import math
-import os
 import struct
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
 import torch
 
-from tilegym import autotune
+from tilegym import autotune, cuda_context, env, index_width
 from tilegym.ops.attention import configs, score_mods
 from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, PLAIN, ModTensors, ScoreMods
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_GRID_YZ = 65535
-_MAX_INT32 = 2**31 - 1
+# Kernels add sequence positions, window sides and tile counts in int32: these bounds keep every
+# such sum below 2**31 (_check_index_ranges). They are far beyond what fits in GPU memory.
+_MAX_SEQLEN_SUM = 2**29
 LOG2E = 1.4426950408889634  # also in kernels.py, which this module imports only on launch
 _FP32_MAX = 3.4028234663852886e38
 
@@ -33,6 +35,8 @@ class AttentionProblem:
     softmax_scale: float
     causal: bool
     mods: ScoreMods = PLAIN
+    # Some tensor has a size or stride beyond int32: the kernels' int64-indexed twins run.
+    wide_index: bool = False
 
     @property
     def query_group_size(self) -> int:
@@ -47,7 +51,7 @@ class AttentionProblem:
         return (
             f"{arch}|{str(self.dtype).removeprefix('torch.')}|d{self.head_dim}|g{self.query_group_size}"
             f"|{'causal' if self.causal else 'full'}|sq{_pow2_ceil(self.seqlen_q)}|sk{_pow2_ceil(self.seqlen_k)}"
-            f"{self.mods.key()}"
+            f"{self.mods.key()}{'|int64-index' if self.wide_index else ''}"
         )
 
 
@@ -74,8 +78,6 @@ def _check_tensor(name: str, t) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
-    if t.numel() > _MAX_INT32:
-        raise ValueError(f"{name} has {t.numel()} elements; at most 2**31 - 1 are supported")
 
 
 # Problems of plain calls (no score modifier) that passed every check, by _plain_call_key: a
@@ -99,7 +101,9 @@ def check_inputs(
     problem, mod_tensors = _check_all_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad
     )
-    if key is not None:
+    # Whether a tensor spanning more than 2**31 bytes needs int64 indexing also depends on its
+    # address (index_width), which the key leaves out: such calls are checked in full each time.
+    if key is not None and not any(index_width.spans_past_int32(t) for t in (q, k, v)):
         if len(_checked_plain_calls) >= _CHECKED_PLAIN_CALLS_MAX:
             _checked_plain_calls.clear()
         _checked_plain_calls[key] = problem
@@ -113,7 +117,10 @@ def _plain_call_key(q, k, v, scaling, is_causal) -> tuple | None:
         return None
     if type(is_causal) is not bool or not (scaling is None or type(scaling) is float):
         return None
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, scaling, is_causal)
+    return (
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+        q.device, k.device, v.device, scaling, is_causal,
+    )  # fmt: skip
 
 
 def _check_all_inputs(
@@ -145,16 +152,16 @@ def _check_all_inputs(
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
         raise TypeError(f"scaling must be a float or None, got {type(scaling).__name__}")
-    elif not math.isfinite(scaling) or abs(scaling) * LOG2E > _FP32_MAX:
-        raise ValueError(f"scaling must be finite and within the float32 range, got {scaling}")
     else:
-        softmax_scale = float(scaling)
+        softmax_scale = score_mods.as_float(scaling)
+        if not math.isfinite(softmax_scale) or abs(softmax_scale) * LOG2E > _FP32_MAX:
+            raise ValueError(f"scaling must be finite and within the float32 range, got {scaling}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
-    window, causal = score_mods.check_window(window_size, is_causal)
+    window, causal = score_mods.check_window(window_size, is_causal, seqlen_q, seqlen_k)
     bias_mode, bias = score_mods.check_bias(attn_bias, q, seqlen_k, q_heads, bias_grad)
     slopes = score_mods.check_alibi(alibi_slopes, q, q_heads)
     mods = ScoreMods(
@@ -164,10 +171,46 @@ def _check_all_inputs(
         softcap=score_mods.check_softcap(softcap, softmax_scale),
         alibi=slopes is not None,
     )
+    _check_index_ranges(q_heads, seqlen_q, seqlen_k)
+    sizes = (batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim)
+    wide_index = any(index_width.needs_int64(t) for t in (q, k, v, bias) if t is not None)
+    wide_index = wide_index or _allocations_need_int64(*sizes, q.dtype.itemsize, bias, bias_mode)
     problem = AttentionProblem(
-        batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, causal, mods
+        batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, causal, mods, wide_index
     )  # fmt: skip
     return problem, ModTensors(bias, slopes)
+
+
+def _check_index_ranges(q_heads: int, seqlen_q: int, seqlen_k: int) -> None:
+    """Refuses sizes whose int32 position arithmetic in the kernels could overflow: positions
+    plus window reaches (up to about 2 (Sq + Sk)) and program numbers (tiles times heads)."""
+    if seqlen_q + seqlen_k > _MAX_SEQLEN_SUM:
+        raise ValueError(f"seqlen_q + seqlen_k is {seqlen_q + seqlen_k}; at most 2**29 are supported (int32 positions)")
+    if q_heads * (seqlen_q + seqlen_k) > index_width.INT32_MAX:
+        raise ValueError(
+            f"heads * (seqlen_q + seqlen_k) is {q_heads * (seqlen_q + seqlen_k)}; "
+            "at most 2**31 - 1 are supported (int32 program numbers)"
+        )
+
+
+def _allocations_need_int64(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, itemsize, bias, bias_mode):
+    """Whether a tensor a call allocates needs the int64-indexed kernels (index_width): out and
+    dQ, dK and dV, the row statistics, the dBias workspace (fp32 or the bias's dtype) and the
+    fused backward's fp32 sums over rows padded to whole tiles of any config."""
+    stat_size = 8 if itemsize == 8 else 4
+    padded = configs.MAX_BLOCK
+    tile = configs.head_dim_tile(head_dim)
+    shapes = [
+        ((batch, q_heads, seqlen_q, head_dim), itemsize),
+        ((batch, kv_heads, seqlen_k, head_dim), itemsize),
+        ((batch, q_heads, seqlen_q), stat_size),
+        ((batch, q_heads, seqlen_q + padded, tile), 4),
+        ((batch, kv_heads, seqlen_k + padded, tile), 4),
+    ]
+    if bias is not None:
+        rows = 1 if bias_mode == score_mods.BIAS_ONE_ROW else seqlen_q
+        shapes += [((batch, q_heads, rows, seqlen_k), size) for size in {bias.element_size(), stat_size}]
+    return any(index_width.contiguous_needs_int64(shape, size) for shape, size in shapes)
 
 
 def addressable(t: torch.Tensor) -> torch.Tensor:
@@ -222,6 +265,7 @@ class _Launcher:
     """Launches one attention kernel with the config chosen for the problem's shape."""
 
     def __init__(self, problem: AttentionProblem, device: torch.device):
+        cuda_context.ensure_current(device.index or 0)  # the autograd thread may have none
         self.problem = problem
         self.device_name, self.arch, cutile_version, self.shape_key = _launch_facts(problem, device.index or 0)
         self.cache = autotune.tune_cache(self.device_name, cutile_version)
@@ -231,6 +275,10 @@ class _Launcher:
         problem = self.problem
         modified = problem.mods != PLAIN
         return configs.candidates(kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, modified)
+
+    def kernel(self, kernel):
+        """The kernel, or its int64-indexed twin where the problem has a size or stride past int32."""
+        return index_width.wide(kernel) if self.problem.wide_index else kernel
 
     def launch(self, launch: autotune.TunedKernel) -> None:
         autotune.launch_tuned(launch, self.candidates(launch.name), self.shape_key, self.cache, self.stream)
@@ -306,11 +354,11 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     fixed_max = _fixed_max_forward(problem, launcher)
     if with_lse:
         name = configs.FORWARD_LSE_FIXED_MAX if fixed_max else configs.FORWARD_LSE
-        kernel = kernels.attention_forward_lse_kernel
+        kernel = launcher.kernel(kernels.attention_forward_lse_kernel)
         outputs = (out, lse)
     else:
         name = configs.FORWARD_FIXED_MAX if fixed_max else configs.FORWARD
-        kernel = kernels.attention_forward_kernel
+        kernel = launcher.kernel(kernels.attention_forward_kernel)
         outputs = (out,)
 
     mods = _ModArgs(problem, mod_tensors, q)
@@ -328,8 +376,9 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
 def _fixed_max_forward(problem: AttentionProblem, launcher: "_Launcher") -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels._forward_key_loops):
     plain attention with enough keys per query for it to win, where the arch has a table for it
-    (16-bit inputs; fp32 and fp64 keep the running max)."""
-    if problem.mods != PLAIN or not launcher.candidates(configs.FORWARD_FIXED_MAX):
+    (16-bit inputs; fp32 and fp64 keep the running max). Not with int64 indexing: that twin of
+    the fixed-max kernel compiles to a 1.7 MB cubin, where the running-max one is ordinary."""
+    if problem.mods != PLAIN or problem.wide_index or not launcher.candidates(configs.FORWARD_FIXED_MAX):
         return False
     min_keys = configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.head_dim)]
     return mean_keys_per_query(problem) >= min_keys
@@ -351,6 +400,8 @@ def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mo
     d_bias (with bias_grad) is the gradient of the caller's attn_bias, else None.
     """
     dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
+    if not problem.wide_index and index_width.needs_int64(d_out):
+        problem = dataclasses.replace(problem, wide_index=True)
     if _backward_is_empty(problem):
         for gradient in (dq, dk, dv, d_bias):
             if gradient is not None:
@@ -457,22 +508,23 @@ def _backward_steps(launcher: "_Launcher", d_out, q, k, v, out, lse, dq, dk, dv,
         # Every dK/dV program needs the row statistics of every query tile: a kernel of their own.
         preprocess = autotune.TunedKernel(
             configs.BACKWARD_PREPROCESS,
-            kernels.attention_backward_preprocess_kernel,
+            launcher.kernel(kernels.attention_backward_preprocess_kernel),
             query_tiles,
             lambda config: (out, d_out, lse, delta, lse_base2, config.block_m, head_tile),
         )
         dkdv_dq = autotune.TunedKernel(
-            fused, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args, targets.zero
+            fused, launcher.kernel(kernels.attention_backward_dkdv_kernel), key_tiles, dkdv_args, targets.zero
         )
         return (preprocess, dkdv_dq), targets
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
     dq_step = autotune.TunedKernel(
         configs.BACKWARD_DQ,
-        kernels.attention_backward_dq_kernel,
+        launcher.kernel(kernels.attention_backward_dq_kernel),
         query_tiles,
         arguments((q, k, v, d_out, out, lse, lse_base2, delta), (targets.dq,)),
     )
-    dkdv = autotune.TunedKernel(configs.BACKWARD_DKDV, kernels.attention_backward_dkdv_kernel, key_tiles, dkdv_args)
+    dkdv_kernel = launcher.kernel(kernels.attention_backward_dkdv_kernel)
+    dkdv = autotune.TunedKernel(configs.BACKWARD_DKDV, dkdv_kernel, key_tiles, dkdv_args)
     return (dq_step, dkdv), targets
 
 
@@ -481,10 +533,7 @@ _BACKWARD_CHOICES = ("auto", "fused", "two-kernel")
 
 def backward_choice() -> str:
     """TILEGYM_BACKWARD: auto (default), fused or two-kernel; anything else is a ValueError."""
-    value = os.environ.get("TILEGYM_BACKWARD", "").strip().lower() or "auto"
-    if value not in _BACKWARD_CHOICES:
-        raise ValueError(f"TILEGYM_BACKWARD={value!r} is not understood: use one of {_BACKWARD_CHOICES}")
-    return value
+    return env.choice("TILEGYM_BACKWARD", _BACKWARD_CHOICES, "auto")
 
 
 def _fused_backward(problem: AttentionProblem, launcher: "_Launcher", bias_grad: bool) -> str | None:

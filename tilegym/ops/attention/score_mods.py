@@ -71,8 +71,14 @@ class ModTensors:
 NO_TENSORS = ModTensors()
 
 
-def check_window(window_size, is_causal: bool) -> tuple[tuple[int, int] | None, bool]:
-    """(window, causal) with causal merged in: (-1, 0) is plain causal, (-1, -1) no window."""
+def check_window(window_size, is_causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[tuple[int, int] | None, bool]:
+    """(window, causal) with causal merged in: (-1, 0) is plain causal, (-1, -1) no window.
+
+    A side that reaches every key of every query is unbounded, whatever its size: the left side
+    from seqlen_k - 1 (query i's first key is at i + d - left, d = Sk - Sq, and i + d < Sk),
+    the right side from seqlen_q - 1 (its last key at i + d + right >= Sk - 1). So the kernels
+    only ever see sides below the sequence lengths, and no side can overflow their int32 sums.
+    """
     if window_size is None:
         return None, is_causal
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -90,6 +96,10 @@ def check_window(window_size, is_causal: bool) -> tuple[tuple[int, int] | None, 
                 "right, so the right side must be 0 or -1"
             )
         right = 0
+    if left >= seqlen_k - 1:
+        left = _UNBOUNDED
+    if right >= seqlen_q - 1 and not is_causal:
+        right = _UNBOUNDED
     if (left, right) == (_UNBOUNDED, _UNBOUNDED):
         return None, False
     if (left, right) == (_UNBOUNDED, 0):
@@ -98,15 +108,25 @@ def check_window(window_size, is_causal: bool) -> tuple[tuple[int, int] | None, 
 
 
 def check_softcap(softcap, softmax_scale: float) -> float:
+    """softcap as a float: 0.0 (None or 0, as FlashAttention reads it) turns it off."""
     if softcap is None:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
+    value = as_float(softcap)
+    if not math.isfinite(value) or value < 0:
         raise ValueError(f"softcap must be a finite number > 0 (or 0 / None for none), got {softcap}")
-    if softcap and not (abs(softmax_scale) / softcap <= _FP32_MAX and softcap <= _FP32_MAX):
+    if value and not (abs(softmax_scale) / value <= _FP32_MAX and value <= _FP32_MAX):
         raise ValueError(f"softcap {softcap} with scale {softmax_scale} leaves the float32 range")
-    return float(softcap)
+    return value
+
+
+def as_float(value: int | float) -> float:
+    """value as a float, inf for an int beyond the float range (float() raises OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def check_bias(
