@@ -7,25 +7,34 @@ later runs: the choice is cached on disk); the later steps show the steady state
 """
 
 import argparse
+import sys
 import time
 
 import torch
 
-from tilegym import tile_fmha_with_backward
+from tilegym import requirements, tile_fmha_with_backward
 from tilegym.ops.attention.reference import attention_reference
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's example lines; shows each option's default."""
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=None, help="fewer than --heads for GQA")
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--full", action="store_true", help="non-causal attention")
-    parser.add_argument("--steps", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--batch", type=int, default=4, help="batch size")
+    parser.add_argument("--heads", type=int, default=16, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads, fewer than --heads for GQA")
+    parser.add_argument("--seqlen", type=int, default=4096, help="sequence length of queries and keys")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim: 32, 64, 80, 96, 128 or 256")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="input dtype")
+    parser.add_argument("--full", action="store_true", help="non-causal attention (default: causal)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps to time")
     args = parser.parse_args()
+    try:
+        requirements.check(0)
+    except requirements.RequirementError as missing:
+        sys.exit(f"train_step: {missing}")
 
     dtype = getattr(torch, args.dtype)
     kv_heads = args.kv_heads or args.heads

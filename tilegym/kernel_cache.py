@@ -25,10 +25,8 @@ are cancelled, and the one running is bounded by _AHEAD_TIMEOUT_SEC: exit waits 
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -39,7 +37,7 @@ from pathlib import Path
 
 import cuda.tile as ct
 
-from tilegym import autotune, env
+from tilegym import autotune, env, requirements
 
 logger = logging.getLogger("tilegym.kernel_cache")
 _MAX_ENTRIES = 256
@@ -203,23 +201,11 @@ def _entry_path(kernel: CachedKernel, signature, compute_capability) -> Path | N
 
 @cache
 def _compiler_fingerprint(search_path: str, cuda_home: str) -> str:
-    """Size and time of every tileiras cuTile may run: its pip package's, PATH's, CUDA_HOME's.
-
-    Found without importing cuTile's compiler module, whose import alone costs a warm first
-    call a few tenths of a second.
-    """
-    try:
-        package = importlib.util.find_spec("nvidia.cu13")
-        roots = list(package.submodule_search_locations or ()) if package else []
-    except ImportError:
-        roots = []
-    binaries = [os.path.join(root, "bin", "tileiras") for root in roots]
-    binaries += [shutil.which("tileiras", path=search_path) or "", os.path.join(cuda_home, "bin", "tileiras")]
+    """Size and time of every tileiras cuTile may run (requirements.tileiras_paths)."""
     found = []
-    for binary in binaries:
-        if os.path.isfile(binary):
-            stat = os.stat(binary)
-            found.append(f"{os.path.realpath(binary)}:{stat.st_size}:{stat.st_mtime_ns}")
+    for binary in requirements.tileiras_paths(search_path, cuda_home):
+        stat = os.stat(binary)
+        found.append(f"{os.path.realpath(binary)}:{stat.st_size}:{stat.st_mtime_ns}")
     if not found:
         raise FileNotFoundError("no tileiras binary")
     return ";".join(found)

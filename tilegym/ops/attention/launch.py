@@ -8,7 +8,7 @@ from functools import cache, lru_cache
 
 import torch
 
-from tilegym import autotune, cuda_context, env, index_width
+from tilegym import autotune, cuda_context, env, index_width, requirements
 from tilegym.ops.attention import configs, score_mods
 from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, PLAIN, ModTensors, ScoreMods
 
@@ -231,6 +231,8 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
 
 @cache
 def _device_facts(device_index: int) -> tuple[str, str, str]:
+    """(GPU name, arch family, cuda-tile version), once the device passed requirements.check."""
+    requirements.check(device_index)
     import cuda.tile as ct
 
     props = torch.cuda.get_device_properties(device_index)

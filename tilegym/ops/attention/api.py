@@ -1,0 +1,185 @@
+"""The public attention functions: argument checks happen in launch.check_inputs, before any launch.
+
+Shapes: q ``[B, Hq, Sq, D]``; k, v ``[B, Hkv, Sk, D]`` with Hq a multiple of Hkv (GQA/MQA: query
+head h reads key/value head ``h // (Hq // Hkv)``); the output is shaped and typed like q. Any
+strides work as long as the head dim is contiguous (a ``[B, S, H, D]`` tensor transposed to
+``[B, H, S, D]`` is used without a copy). Dtypes: float16, bfloat16, float32, float64, one for
+q, k and v. Head dims: 32, 64, 80, 96, 128, 256.
+
+Causal masking is bottom-right aligned (as FlashAttention since 2.1; SDPA's ``is_causal`` is
+top-left): query i sees key j iff ``j <= i + (Sk - Sq)``. For Sq = 3, Sk = 5 (x: seen)::
+
+    keys:     0 1 2 3 4
+    query 0:  x x x . .
+    query 1:  x x x x .
+    query 2:  x x x x x
+
+A query that sees no key (Sq > Sk, or a window or bias that hides every key) outputs zeros,
+has LSE -inf and gets zero gradients.
+
+Score modifiers, keyword arguments of every function (score_mods.py has the exact math):
+
+- attn_bias: a tensor broadcastable to ``[B, Hq, Sq, Sk]``, q's dtype or float32, added to the
+  scaled scores; it receives a gradient (summed over its broadcast dims) when it requires one.
+- window_size=(left, right): query i sees keys ``i + d - left ... i + d + right``, d = Sk - Sq,
+  -1 (or any side that reaches every key) unbounded; with is_causal=True the right side is 0.
+- softcap: scores become ``softcap * tanh(scores / softcap)`` before the bias (Gemma 2); 0 or
+  None: none.
+- alibi_slopes: float32 ``[Hq]`` or ``[B, Hq]``; adds ``-slope * |i + d - j|``, no gradient.
+"""
+
+import torch
+from torch import Tensor
+
+from tilegym.ops.attention import custom_ops, launch
+from tilegym.ops.attention.autograd import AttentionFunction
+
+__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional"]
+
+Window = tuple[int, int] | list[int] | None
+
+
+def tile_fmha(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scaling: float | None = None,
+    is_causal: bool = True,
+    *,
+    attn_bias: Tensor | None = None,
+    window_size: Window = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> Tensor:
+    """Attention output for inference: no LSE is written and nothing is saved for backward.
+
+    Args:
+        q: ``[B, Hq, Sq, D]`` queries, on a CUDA device.
+        k, v: ``[B, Hkv, Sk, D]`` keys and values, q's dtype and device.
+        scaling: the softmax scale (SDPA's ``scale``); None: ``1 / sqrt(D)``.
+        is_causal: bottom-right causal masking. Defaults to True (SDPA: False).
+        attn_bias, window_size, softcap, alibi_slopes: score modifiers (see the module docstring).
+
+    Returns:
+        ``[B, Hq, Sq, D]`` in q's dtype.
+
+    Example::
+
+        q = torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 4, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out = tile_fmha(q, k, v, is_causal=True)  # GQA 4:1
+    """
+    if torch.compiler.is_compiling():
+        out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, False, False)
+        return out
+    problem, mod_tensors = launch.check_inputs(
+        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
+    )
+    out, _ = launch.forward(q, k, v, problem, with_lse=False, mod_tensors=mod_tensors)
+    return out
+
+
+def fmha_forward_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scaling: float | None = None,
+    is_causal: bool = True,
+    *,
+    attn_bias: Tensor | None = None,
+    window_size: Window = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) for inference; arguments as tile_fmha.
+
+    lse is float32 ``[B, Hq, Sq]``: the natural log of the sum, over the keys a row sees, of
+    exp(scaled score); -inf for a row that sees no key. No gradient flows.
+    """
+    if torch.compiler.is_compiling():
+        out, lse = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, False)
+        return out, lse.to(torch.float32)
+    problem, mod_tensors = launch.check_inputs(
+        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
+    )
+    out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
+    return out, lse.to(torch.float32)
+
+
+def tile_fmha_with_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scaling: float | None = None,
+    is_causal: bool = True,
+    *,
+    attn_bias: Tensor | None = None,
+    window_size: Window = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> Tensor:
+    """Attention output for training, differentiable with respect to q, k, v and attn_bias;
+    arguments as tile_fmha.
+
+    Example::
+
+        q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        out = tile_fmha_with_backward(q, k, v)  # causal
+        out.sum().backward()                    # q.grad, k.grad, v.grad
+    """
+    if torch.compiler.is_compiling():
+        out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, True)
+        return out
+    problem, mod_tensors = launch.check_inputs(
+        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
+    )
+    if _needs_grad(q, k, v, attn_bias):
+        # The backward's kernels compile in the background while the forward's kernel compiles.
+        bias_grad = attn_bias is not None and attn_bias.requires_grad
+        launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad)
+    return AttentionFunction.apply(q, k, v, attn_bias, problem, mod_tensors)
+
+
+def tile_fmha_functional(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scaling: float | None = None,
+    is_causal: bool = True,
+    training: bool | None = None,
+    *,
+    attn_bias: Tensor | None = None,
+    window_size: Window = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> Tensor:
+    """tile_fmha_with_backward or tile_fmha, by training: True, the differentiable path; False,
+    the inference kernel; None, the differentiable path iff grad mode is on and any of q, k, v,
+    attn_bias requires grad. Other arguments as tile_fmha."""
+    if training is None:
+        training = _needs_grad(q, k, v, attn_bias)
+    elif not isinstance(training, bool):
+        raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
+    mods = {"attn_bias": attn_bias, "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes}
+    if training:
+        return tile_fmha_with_backward(q, k, v, scaling, is_causal, **mods)
+    return tile_fmha(q, k, v, scaling, is_causal, **mods)
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd will want a gradient of any of these (non-tensors are skipped)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, with_lse, differentiable):
+    """The call as custom_ops.attention, which torch.compile keeps in its graph; the operator
+    checks its arguments. Without differentiable, no gradient flows (as in the eager inference
+    path)."""
+    tensors = (q, k, v, attn_bias, alibi_slopes)
+    if not differentiable:
+        tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
+    q, k, v, attn_bias, alibi_slopes = tensors
+    # The schema takes a list of ints; anything else fails its check, which names the argument.
+    window = list(window_size) if isinstance(window_size, tuple) else window_size
+    return custom_ops.attention(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window, softcap, with_lse)
