@@ -1,8 +1,13 @@
 """Attention for inference (forward, no LSE, no autograd) in TFLOPS and GBps, against PyTorch
 SDPA pinned to each backend.
 
-    python tests/benchmark/bench_attention.py --out docs/benchmarks/h100
     python tests/benchmark/bench_attention.py --quick
+    python tests/benchmark/bench_attention.py --out bench-out/mine
+    python tests/benchmark/bench_attention.py --replot docs/benchmarks/h100/attention_inference.json
+
+The shipped results in docs/benchmarks/h100 came from one run with the default options on an
+H100 (the JSON file's meta holds its command, GPU and versions). Write new runs elsewhere, as
+the default --out does, and compare them with those.
 """
 
 import sys

@@ -4,14 +4,15 @@ the host as much as the GPU's work or more. A CUDA graph (torch.cuda.graph, or
 torch.compile(mode="reduce-overhead")) removes that host time for both.
 
     python tests/benchmark/bench_training_graphs.py
+
+Prints microseconds per step; writes no files.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import torch  # noqa: E402
 
 from tests.benchmark import bench_utils  # noqa: E402
 from tests.benchmark.bench_utils import Shape  # noqa: E402
@@ -26,6 +27,8 @@ PROVIDERS = ("cutile", "cudnn")
 
 
 def _training_step(provider: str, shape: Shape):
+    import torch
+
     attention = bench_utils.attention_fn(provider, shape, training=True)
     q, k, v = bench_utils.make_inputs(shape, requires_grad=True)
     d_out = torch.randn_like(q)
@@ -38,6 +41,8 @@ def _training_step(provider: str, shape: Shape):
 
 def _graphed(step):
     """step captured in a CUDA graph, after warm-up runs (compiles, tuning) on a side stream."""
+    import torch
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -51,6 +56,7 @@ def _graphed(step):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter).parse_args()
     header = f"{'shape':<34}{'ours eager':>12}{'cuDNN eager':>13}{'ours graph':>12}{'cuDNN graph':>13}"
     print("training step, us per call (the faster of two do_bench medians); ratio = cuDNN's time / ours")
     print(header)

@@ -8,7 +8,7 @@ so H = 2048 / D. Sequence lengths run from 512 to 16384.
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tests.benchmark import first_call as first_call_times
@@ -73,7 +73,7 @@ def shapes(head_dims, causal_options, dtypes, seqlens=SEQLENS, gqa=False) -> lis
     return result
 
 
-# ---- score modifiers ------------------------------------------------------------------------------
+# ---- score modifiers ----------------------------------------------------------------------------
 
 # Each option's keyword arguments, as a model would use them: a trainable full bias, a key
 # padding mask (one row per batch, no grad), a 1024-key sliding window, Gemma 2's softcap 30,
@@ -399,7 +399,7 @@ def measure(mode: str, provider: str, shape: Shape, training_forward: bool = Tru
     return result
 
 
-# ---- running, tables, files, plots --------------------------------------------------------------
+# ---- running and tables -------------------------------------------------------------------------
 
 
 def run_all(modes, providers, shape_list, training_forward: bool = True) -> list[Result]:
@@ -512,6 +512,16 @@ def option_cost_summary(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+# ---- result files -------------------------------------------------------------------------------
+
+# The script that writes each benchmark's results; its files are named <benchmark>.json.
+BENCHMARK_SCRIPTS = {
+    "attention_training": "bench_attention_backward.py",
+    "attention_inference": "bench_attention.py",
+    "attention_variants": "bench_attention_variants.py",
+}
+
+
 def save_json(results: list[Result], path: Path, meta: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "results": [r.to_json() for r in results]}, indent=1))
@@ -523,21 +533,144 @@ def load_json(path: Path) -> tuple[list[Result], dict]:
     return [Result.from_json(item) for item in document["results"]], document["meta"]
 
 
-def plot(results: list[Result], out_dir: Path, prefix: str) -> list[Path]:
-    """One TFLOPS and one GBps figure per (mode, series), lines per provider, against seqlen."""
+def read_results(path: Path) -> tuple[list[Result], dict]:
+    """load_json, with any failure raised as a ValueError that names the file."""
+    try:
+        return load_json(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a readable results file ({type(error).__name__}: {error})") from None
+
+
+def benchmark_of(meta: dict) -> str | None:
+    """The benchmark that wrote a results file: meta["benchmark"], or for files written before
+    that key, the script named in meta["command"]; None when the meta says neither."""
+    if "benchmark" in meta:
+        return meta["benchmark"]
+    words = {Path(word).name for word in str(meta.get("command", "")).split()}
+    return next((name for name, script in BENCHMARK_SCRIPTS.items() if script in words), None)
+
+
+def load_results(paths, benchmark: str) -> tuple[list[Result], list[dict]]:
+    """The results of one benchmark's files and each file's meta. A cell measured in several
+    files keeps the last file's result, so a rerun of a few series can follow the full run.
+
+    Raises ValueError naming the file when one cannot be read or another benchmark wrote it:
+    its plots would be drawn under this benchmark's names.
+    """
+    cells: dict[tuple, Result] = {}
+    metas = []
+    for path in paths:
+        results, meta = read_results(path)
+        wrote = benchmark_of(meta)
+        if wrote is None:
+            raise ValueError(f"{path}: its meta names no benchmark (neither 'benchmark' nor a script in 'command')")
+        if wrote != benchmark:
+            script = f" by tests/benchmark/{BENCHMARK_SCRIPTS[wrote]}" if wrote in BENCHMARK_SCRIPTS else ""
+            raise ValueError(
+                f"{path} holds {wrote} results (written{script}), not {benchmark} results: replot it with "
+                "its own script, or every file at once with tests/benchmark/replot.py"
+            )
+        for result in results:
+            cells[result.mode, result.provider, result.shape] = result
+        metas.append(meta)
+    return list(cells.values()), metas
+
+
+def replot_results(p: argparse.ArgumentParser, paths, benchmark: str) -> tuple[list[Result], list[dict]]:
+    """load_results, with a refused file reported as a usage error (exit status 2)."""
+    try:
+        return load_results(paths, benchmark)
+    except ValueError as error:
+        p.error(str(error))
+
+
+# ---- figures ------------------------------------------------------------------------------------
+
+FIGURE_DPI = 90  # keeps the 117 committed figures near 6 MB
+PROVIDER_COLORS = {provider: f"C{index}" for index, provider in enumerate(PROVIDERS)}  # alike in every figure
+OPTION_LABELS = {
+    "bias": "bias [B, H, S, S] with dBias",
+    "bias-row": "key-padding bias [B, 1, 1, S]",
+    "window": f"sliding window {WINDOW}",
+    "softcap": "softcap 30",
+    "alibi": "ALiBi",
+    "all": "padding bias, window, softcap, ALiBi",
+}
+_MODES = tuple(MODE_FLOP_FACTOR)
+
+
+@dataclass(frozen=True)
+class Figure:
+    path: Path
+    title: str
+    group: str  # "overview", or the mode it shows
+
+
+def _figure(out_dir: Path, words: tuple[str, ...], group: str) -> Figure:
+    """A figure whose file name is its title: the title joins the words with " · ", the file
+    name with "-" (spaces and "+" become "_"), so one can be read off the other."""
+    stem = "-".join(word.replace(" ", "_").replace("+", "_") for word in words)
+    return Figure(out_dir / f"{stem}.png", " · ".join(words), group)
+
+
+def _series_key(shape: Shape) -> tuple:
+    """Series in reading order: D, mask, GQA ratio, dtype, score modifier."""
+    option = OPTIONS.index(shape.option) + 1 if shape.option else 0
+    return shape.head_dim, shape.causal, shape.q_heads // shape.kv_heads, shape.dtype, option
+
+
+def environment(metas) -> str:
+    """The GPU and versions that produced the results, as far as their files recorded them."""
+    lines = []
+    for meta in metas:
+        words = [meta.get("gpu", "GPU not recorded")]
+        versions = (("torch", "PyTorch"), ("cuda_tile", "cuda-tile"))
+        words += [f"{name} {meta[key]}" for key, name in versions if key in meta]
+        if ", ".join(words) not in lines:
+            lines.append(", ".join(words))
+    return "; ".join(lines) or "GPU and versions not recorded"
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    groups: dict[tuple[str, str], list[Result]] = {}
+    return plt
+
+
+def _save(figure, drawn: Figure, footer: str) -> Figure:
+    """Title on top, the GPU and versions (and notes) in small print below, then the file."""
+    figure.suptitle(drawn.title, fontsize=10)
+    figure.supxlabel(footer, fontsize=7, color="0.35")
+    drawn.path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(drawn.path, dpi=FIGURE_DPI)
+    _pyplot().close(figure)
+    return drawn
+
+
+def _seqlen_axis(axis, seqlens) -> None:
+    """A log-2 axis ticked at the measured lengths, written out (1024, not 2^10)."""
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(seqlens, [str(seqlen) for seqlen in seqlens])
+    axis.minorticks_off()
+    axis.set_xlabel(f"sequence length (batch x seqlen = {TOKENS} tokens)")
+
+
+def plot(results: list[Result], out_dir: Path, prefix: str, metas=()) -> list[Figure]:
+    """One TFLOPS and one GBps figure per (mode, series), a line per provider, against seqlen."""
+    plt = _pyplot()
+    footer = environment(metas)
+    groups: dict[tuple, list[Result]] = {}
     for result in results:
-        groups.setdefault((result.mode, result.shape.series), []).append(result)
-    for (mode, series), group in sorted(groups.items()):
+        key = (_MODES.index(result.mode), _series_key(result.shape), result.mode, result.shape.series)
+        groups.setdefault(key, []).append(result)
+    drawn = []
+    for (_, _, mode, series), group in sorted(groups.items()):
+        seqlens = sorted({r.shape.seqlen_q for r in group})
         for metric, label in (("tflops", "TFLOPS"), ("gbps", "GBps")):
-            figure, axis = plt.subplots(figsize=(6, 4))
+            figure, axis = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
             for provider in PROVIDERS:
                 points = sorted(
                     (r.shape.seqlen_q, getattr(r, metric))
@@ -546,34 +679,230 @@ def plot(results: list[Result], out_dir: Path, prefix: str) -> list[Path]:
                 )
                 if points:
                     xs, ys = zip(*points, strict=True)
-                    axis.plot(xs, ys, marker="o", label=PROVIDER_LABELS[provider])
-            axis.set_xscale("log", base=2)
-            axis.set_xlabel("sequence length (batch x seqlen = 16384 tokens)")
+                    axis.plot(xs, ys, marker="o", color=PROVIDER_COLORS[provider], label=PROVIDER_LABELS[provider])
+            _seqlen_axis(axis, seqlens)
+            axis.set_ylim(bottom=0)
             axis.set_ylabel(label)
-            axis.set_title(f"attention {mode}, {series}")
             axis.grid(True, alpha=0.3)
+            if axis.lines:
+                axis.legend(fontsize=8)
+            words = (prefix.replace("_", " "), mode, series, label)
+            drawn.append(_save(figure, _figure(out_dir, words, mode), footer))
+    return drawn
+
+
+def plot_overview(results: list[Result], out_dir: Path, prefix: str, metas=()) -> list[Figure]:
+    """A heatmap of ours / cuDNN TFLOPS per (mode, D, mask) row and sequence length, a panel per
+    dtype and GQA ratio; no figure when no cell has both ours and cuDNN."""
+    by_cell = {(r.mode, r.provider, r.shape): r for r in results}
+    cells = {}
+    for ours in results:
+        cudnn = by_cell.get((ours.mode, "cudnn", ours.shape))
+        if ours.provider == "cutile" and ours.tflops and cudnn and cudnn.tflops:
+            shape = ours.shape
+            panel = (shape.q_heads // shape.kv_heads, shape.dtype)
+            row = (_MODES.index(ours.mode), shape.head_dim, shape.causal)
+            cells[panel, row, shape.seqlen_q] = (ours.tflops / cudnn.tflops, ours.host_bound or cudnn.host_bound)
+    if not cells:
+        return []
+    notes = ["ours / cuDNN TFLOPS, above 1 where ours is faster"]
+    if any(marked for _, marked in cells.values()):
+        notes.append(HOST_BOUND_NOTE)
+    return [
+        _heatmap(
+            cells,
+            panel_label=lambda panel: panel[1] + (f", GQA {panel[0]}:1" if panel[0] > 1 else ""),
+            row_label=lambda row: f"{_MODES[row[0]]} d{row[1]} {'causal' if row[2] else 'full'}",
+            drawn=_figure(out_dir, (prefix.replace("_", " "), "overview", "ours vs cuDNN"), "overview"),
+            footer="\n".join([environment(metas), *notes]),
+            colorbar_label="ours / cuDNN",
+            higher_is_better=True,
+        )
+    ]
+
+
+def _plain(shape: Shape) -> Shape:
+    return replace(shape, option="")
+
+
+def plot_option_overview(results: list[Result], out_dir: Path, prefix: str, metas=()) -> list[Figure]:
+    """A heatmap of our time with each score modifier / our plain attention's time of the same
+    shape and run, per (modifier, D, mask) row and sequence length, a panel per mode."""
+    ours = {(r.mode, r.shape): r for r in results if r.provider == "cutile" and r.ms}
+    cells = {}
+    for (mode, shape), modified in ours.items():
+        plain = ours.get((mode, _plain(shape)))
+        if shape.option and plain:
+            row = (OPTIONS.index(shape.option), shape.head_dim, shape.causal)
+            cells[_MODES.index(mode), row, shape.seqlen_q] = (modified.ms / plain.ms, False)
+    if not cells:
+        return []
+    return [
+        _heatmap(
+            cells,
+            panel_label=lambda panel: _MODES[panel],
+            row_label=lambda row: f"{OPTIONS[row[0]]}, d{row[1]} {'causal' if row[2] else 'full'}",
+            drawn=_figure(out_dir, (prefix.replace("_", " "), "overview", "time vs plain"), "overview"),
+            footer=environment(metas) + "\ntime with the modifier / time of plain attention, same shape and run: "
+            "above 1 where the modifier costs time",
+            colorbar_label="time / plain time",
+            higher_is_better=False,
+        )
+    ]
+
+
+def _heatmap(
+    cells: dict, panel_label, row_label, drawn: Figure, footer: str, colorbar_label: str, higher_is_better: bool
+) -> Figure:
+    """cells: {(panel, row, seqlen): (ratio, marked)}, panels and rows in sorted key order. The
+    colour scale is logarithmic and centred on 1, so 0.8x and 1.25x are equally far from white."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    panels = sorted({key[0] for key in cells})
+    rows = sorted({key[1] for key in cells})
+    seqlens = sorted({key[2] for key in cells})
+    # At least 1.25: differences of a few percent stay pale.
+    spread = max(1.25, *(max(value, 1 / value) for value, _ in cells.values()))
+    norm = LogNorm(1 / spread, spread)
+    size = (2.2 + len(panels) * (0.5 * len(seqlens) + 0.3), 1.9 + 0.27 * len(rows))
+    figure, axes = plt.subplots(1, len(panels), figsize=size, sharey=True, squeeze=False, layout="constrained")
+    for axis, panel in zip(axes[0], panels, strict=True):
+        grid = np.full((len(rows), len(seqlens)), np.nan)
+        for i, row in enumerate(rows):
+            for j, seqlen in enumerate(seqlens):
+                if (panel, row, seqlen) not in cells:
+                    axis.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="0.4")
+                    continue
+                value, marked = cells[panel, row, seqlen]
+                grid[i, j] = value
+                dark = abs(np.log(value)) > 0.6 * np.log(spread)
+                text = f"{value:.2f}{HOST_BOUND_MARK if marked else ''}"
+                axis.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+        image = axis.imshow(np.ma.masked_invalid(grid), cmap="RdBu" if higher_is_better else "RdBu_r", norm=norm,
+                            aspect="auto")  # fmt: skip
+        axis.set_facecolor("0.85")  # cells without a measurement
+        # A line where the first field of the row key changes (a mode, a modifier), if rows share it.
+        starts = [i for i in range(1, len(rows)) if rows[i][0] != rows[i - 1][0]]
+        if len(starts) < len(rows) - 1:
+            for start in starts:
+                axis.axhline(start - 0.5, color="black", linewidth=0.8)
+        axis.set_xticks(range(len(seqlens)), [str(seqlen) for seqlen in seqlens], fontsize=7)
+        axis.set_yticks(range(len(rows)), [row_label(row) for row in rows], fontsize=8)
+        axis.tick_params(length=0)
+        axis.set_xlabel("sequence length", fontsize=8)
+        axis.set_title(panel_label(panel), fontsize=9)
+    # Ticks at 1 and at round ratios either side, at least a fifth of the scale apart.
+    above = [1.0]
+    for tick in (1.1, 1.25, 1.5, 2, 3, 4, 8):
+        if tick <= spread and np.log(tick / above[-1]) >= np.log(spread) / 5:
+            above.append(tick)
+    ticks = sorted({*above, *(1 / t for t in above)})
+    colorbar = figure.colorbar(image, ax=axes[0].tolist(), shrink=0.9, pad=0.02, label=colorbar_label)
+    colorbar.set_ticks(ticks, labels=[f"{t:.2g}" for t in ticks])
+    colorbar.minorticks_off()
+    return _save(figure, drawn, footer)
+
+
+def plot_options(results: list[Result], out_dir: Path, prefix: str, metas=()) -> list[Figure]:
+    """Per mode, series and score modifier: our TFLOPS with the modifier beside our plain
+    attention of the same shapes and run, y from zero, each point marked with its time
+    relative to plain. That ratio is the modifier's cost: a window's FLOPs count only the pairs
+    it keeps, so its TFLOPS may fall while its time falls further."""
+    plt = _pyplot()
+    ours = {(r.mode, r.shape): r for r in results if r.provider == "cutile" and r.ms}
+    groups: dict[tuple, list[Result]] = {}
+    for result in results:
+        if result.provider == "cutile" and result.shape.option:
+            key = (_MODES.index(result.mode), _series_key(result.shape), result.mode)
+            groups.setdefault(key, []).append(result)
+    drawn = []
+    for (_, _, mode), group in sorted(groups.items()):
+        group.sort(key=lambda r: r.shape.seqlen_q)
+        option, series = group[0].shape.option, _plain(group[0].shape).series
+        seqlens = [r.shape.seqlen_q for r in group]
+        measured = [r for r in group if r.ms]
+        plains = {r.shape.seqlen_q: ours.get((mode, _plain(r.shape))) for r in group}
+        figure, axis = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+        baseline = [(seqlen, plain.tflops) for seqlen, plain in plains.items() if plain]
+        if baseline:
+            xs, ys = zip(*baseline, strict=True)
+            axis.plot(xs, ys, marker="o", linestyle="--", color="0.45", label="plain attention, same run")
+        else:
+            axis.text(0.5, 0.5, "no plain baseline in the data", transform=axis.transAxes, ha="center")
+        if measured:
+            axis.plot([r.shape.seqlen_q for r in measured], [r.tflops for r in measured], marker="o", color="C0",
+                      label=OPTION_LABELS.get(option, option))  # fmt: skip
+        for result in measured:
+            plain = plains[result.shape.seqlen_q]
+            if plain:
+                below = result.tflops < plain.tflops  # the label away from the baseline
+                axis.annotate(
+                    f"{result.ms / plain.ms:.2f}x time", (result.shape.seqlen_q, result.tflops),
+                    textcoords="offset points", xytext=(0, -13 if below else 7), ha="center", fontsize=8, color="C0",
+                )  # fmt: skip
+        _seqlen_axis(axis, seqlens)
+        axis.margins(x=0.08)
+        axis.set_ylim(0, 1.15 * max((y for line in axis.lines for y in line.get_ydata()), default=1))
+        axis.set_ylabel("TFLOPS (FLOPs of the pairs not masked)")
+        axis.grid(True, alpha=0.3)
+        if axis.lines:
             axis.legend(fontsize=8)
-            figure.tight_layout()
-            path = out_dir / f"{prefix}-{mode.replace('+', '_')}-{series}-{label}.png"
-            figure.savefig(path, dpi=100)
-            plt.close(figure)
-            written.append(path)
-    return written
+        notes = [f"{option} at S={r.shape.seqlen_q}: {r.note}" for r in group if not r.ms]
+        words = (prefix.replace("_", " "), mode, series, f"{option} vs plain", "TFLOPS")
+        drawn.append(_save(figure, _figure(out_dir, words, mode), "\n".join([environment(metas), *notes])))
+    return drawn
 
 
-def parser(description: str, modes: tuple[str, ...]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--modes", nargs="+", choices=modes, default=list(modes))
-    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
-    p.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16", "float16"])
-    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
-    p.add_argument("--seqlens", nargs="+", type=int, default=list(SEQLENS))
+def figures(benchmark: str, results: list[Result], out_dir: Path, metas=()) -> list[Figure]:
+    """Every figure of one benchmark's results, its overview first."""
+    if benchmark == "attention_variants":
+        overview, lines = plot_option_overview, plot_options
+    else:
+        overview, lines = plot_overview, plot
+    return overview(results, out_dir, benchmark, metas) + lines(results, out_dir, benchmark, metas)
+
+
+# ---- command lines ------------------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with each option's default, and the description as written, so that its example
+    commands stay one per line."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        # An option without a default says in its help what happens without it.
+        if default is None or default is argparse.SUPPRESS or "%(default)" in text:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        if isinstance(default, list | tuple):
+            default = " ".join(str(value) for value in default)
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+def parser(description: str, modes: tuple[str, ...], prefix: str, first_call: bool = False) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p.add_argument("--modes", nargs="+", choices=modes, default=list(modes), help="what to time")
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help=f"head dims D; H = {HIDDEN} / D")
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both", help="causal, full or both")
+    p.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16", "float16"],
+                   help="input dtypes")  # fmt: skip
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
+                   help="ours (cutile) and PyTorch SDPA pinned to each backend")  # fmt: skip
+    p.add_argument("--seqlens", nargs="+", type=int, default=list(SEQLENS),
+                   help=f"sequence lengths; batch = {TOKENS} // seqlen")  # fmt: skip
     p.add_argument("--no-gqa", action="store_true", help="leave out the GQA 8:1 series")
     p.add_argument("--quick", action="store_true", help="a small subset: bf16, S in {1024, 4096}, no GQA")
-    p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for JSON and plots")
-    p.add_argument("--replot", type=Path, help="only plot (and summarize) the results of an earlier JSON file")
-    p.add_argument("--no-first-call", action="store_true", help="leave out the first-step times (training only)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for the JSON file and the figures")
+    p.add_argument("--replot", nargs="+", type=Path, metavar="JSON",
+                   help=f"measure nothing: redraw the figures and print the tables of earlier {prefix}.json "
+                   "files (several are merged)")  # fmt: skip
+    if first_call:
+        p.add_argument("--no-first-call", action="store_true", help="leave out the first-step times")
     return p
 
 
@@ -583,17 +912,19 @@ def causal_options(choice: str) -> list[bool]:
 
 def main(description: str, modes: tuple[str, ...], prefix: str, training_forward: bool, first_call=False) -> None:
     """first_call: also time the first training step in new processes (tests/benchmark/first_call.py)."""
-    args = parser(description, modes).parse_args()
+    p = parser(description, modes, prefix, first_call)
+    args = p.parse_args()
     if args.replot:
-        results, meta = load_json(args.replot)
-        plots = plot(results, args.out, prefix)
+        results, metas = replot_results(p, args.replot, prefix)
+        drawn = figures(prefix, results, args.out, metas)
         print(table(results))
         print()
         print(markdown_summary(results))
-        _print_first_call(meta)
-        print(f"\n{len(plots)} plots in {args.out}")
+        for meta in metas:
+            _print_first_call(meta)
+        print(f"\n{len(drawn)} figures in {args.out}")
         return
-    meta = _environment()
+    meta = {"benchmark": prefix, **_environment()}
     if first_call and not args.no_first_call:
         meta["first_call"] = first_call_times.measure()
     seqlens, dtypes, gqa = args.seqlens, args.dtypes, not args.no_gqa
@@ -608,8 +939,8 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
     _print_first_call(meta)
     meta.update({"command": " ".join(_argv()), "wall_seconds": round(elapsed, 1)})
     save_json(results, args.out / f"{prefix}.json", meta)
-    plots = plot(results, args.out, prefix)
-    print(f"\n{len(results)} measurements in {elapsed:.0f} s; {len(plots)} plots and {prefix}.json in {args.out}")
+    drawn = figures(prefix, results, args.out, [meta])
+    print(f"\n{len(results)} measurements in {elapsed:.0f} s; {len(drawn)} figures and {prefix}.json in {args.out}")
 
 
 def _print_first_call(meta: dict) -> None:

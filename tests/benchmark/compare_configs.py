@@ -1,4 +1,4 @@
-"""Time one kernel's candidate configs against each other, beside SDPA cuDNN, in interleaved rounds.
+r"""Time one kernel's candidate configs against each other, beside SDPA cuDNN, in interleaved rounds.
 
 Each config of the kernel's table runs as if it were the table's only one (tuning off), so
 the same call times the same shapes under every config; rounds alternate the configs so that
@@ -21,27 +21,30 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.benchmark import bench_utils  # noqa: E402
-from tilegym import autotune  # noqa: E402
-from tilegym.autotune import TileConfig  # noqa: E402
-from tilegym.ops.attention import configs  # noqa: E402
+
+# tilegym is imported where it is used, so that --help needs no GPU stack.
 
 _CONFIG_FIELDS = ("block_m", "block_n", "num_worker_warps", "occupancy", "num_ctas")
 
 
-def parse_config(text: str) -> TileConfig:
+def parse_config(text: str):
     """A TileConfig from 'block_m,block_n[,num_worker_warps[,occupancy[,num_ctas]]]'."""
+    from tilegym.autotune import TileConfig
+
     values = [int(part) for part in text.split(",")]
     if not 1 <= len(values) <= len(_CONFIG_FIELDS):
         raise argparse.ArgumentTypeError(f"{text!r}: give 1 to {len(_CONFIG_FIELDS)} integers")
     return TileConfig(**dict(zip(_CONFIG_FIELDS, values, strict=False)))
 
 
-def label(config: TileConfig) -> str:
+def label(config) -> str:
     return ",".join(str(getattr(config, name)) for name in _CONFIG_FIELDS if getattr(config, name) is not None)
 
 
-def only(kernel: str, config: TileConfig):
+def only(kernel: str, config):
     """A patch under which `kernel` has `config` as its only candidate."""
+    from tilegym.ops.attention import configs
+
     original = configs.candidates
 
     def candidates(name, *args, **kwargs):
@@ -52,6 +55,8 @@ def only(kernel: str, config: TileConfig):
 
 def run(kernel: str, config_list, modes, shape_list, rounds: int) -> dict:
     """{(mode, shape): {label: [TFLOPS per round], "cudnn": [...]}}"""
+    from tilegym import autotune
+
     results: dict = {}
     for round_index in range(rounds):
         for config in config_list:
@@ -83,16 +88,21 @@ def summary(results: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
     p.add_argument("kernel", help="a kernel name of configs.py, e.g. attention_forward_lse_fixed_max")
-    p.add_argument("--head-dim", type=int, required=True)
-    p.add_argument("--configs", nargs="+", type=parse_config, help="configs to compare (default: the table's)")
-    p.add_argument("--modes", nargs="+", choices=tuple(bench_utils.MODE_FLOP_FACTOR), default=["fwd"])
-    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--head-dim", type=int, required=True, help="head dim D; H = 2048 / D")
+    p.add_argument("--configs", nargs="+", type=parse_config, metavar="CONFIG",
+                   help="configs to compare (default: the kernel's sm_90 table)")  # fmt: skip
+    p.add_argument("--modes", nargs="+", choices=tuple(bench_utils.MODE_FLOP_FACTOR), default=["fwd"],
+                   help="what to time")  # fmt: skip
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both", help="causal, full or both")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="input dtype")
+    p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384],
+                   help="sequence lengths; batch = 16384 // seqlen")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2, help="rounds over every config")
     args = p.parse_args()
+    from tilegym.ops.attention import configs
+
     os.environ["DISABLE_AUTOTUNE"] = "1"
     config_list = args.configs or configs.candidates(args.kernel, "sm_90", args.head_dim, 2)
     if not config_list:

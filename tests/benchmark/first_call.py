@@ -2,9 +2,13 @@
 (compile and autotune) and again with the caches the first process filled.
 
 Runs examples/train_step.py twice with its own tune and compile cache directories, so the
-caches of the calling process and of the user are left alone.
+caches of the calling process and of the user are left alone. The training benchmark
+(bench_attention_backward.py) runs this first and keeps the times in its JSON file; alone:
+
+    python tests/benchmark/first_call.py
 """
 
+import argparse
 import os
 import re
 import subprocess
@@ -51,3 +55,16 @@ def summary(first_call: dict) -> str:
         f"D={shape['head_dim']}, {shape['dtype']}, {mask}), new process: {first_call['cold_s']:.1f} s with "
         f"empty caches (compile + autotune), {first_call['warm_s']:.2f} s with warm caches"
     )
+
+
+def main() -> None:
+    # bench_utils imports this module, so this module imports it only when run as a script.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.benchmark.bench_utils import HelpFormatter
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter).parse_args()
+    print(summary(measure()))
+
+
+if __name__ == "__main__":
+    main()

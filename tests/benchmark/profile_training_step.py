@@ -1,4 +1,4 @@
-"""One training step (forward, then backward) of ours and of SDPA's cuDNN backend inside a CUDA
+r"""One training step (forward, then backward) of ours and of SDPA's cuDNN backend inside a CUDA
 profiler range, for Nsight Compute. Kept to reproduce docs/perf-notes.md section 26:
 
     ncu --clock-control none --profile-from-start off --set full -o step -f \
@@ -16,17 +16,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-
 from tests.benchmark import bench_utils  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--causal", action="store_true")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
+    p.add_argument("--seqlen", type=int, default=4096, help="sequence length; batch = 16384 // seqlen")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim D; H = 2048 / D")
+    p.add_argument("--causal", action="store_true", help="causal masking")
     args = p.parse_args()
+    import torch  # after parsing, so that --help needs no GPU stack
+
     (shape,) = bench_utils.shapes([args.head_dim], [args.causal], ["bfloat16"], [args.seqlen])
     inputs = bench_utils.make_inputs(shape, requires_grad=True)
     d_out = torch.randn_like(inputs[0])

@@ -71,12 +71,41 @@ def test_bench_plots_and_json_round_trip(tmp_path):
     bench_utils.save_json(results, tmp_path / "run.json", {"gpu": "synthetic"})
     loaded, meta = bench_utils.load_json(tmp_path / "run.json")
     assert loaded == results and meta == {"gpu": "synthetic"}
-    written = bench_utils.plot(loaded, tmp_path / "plots", "attention_training")
-    names = sorted(p.name for p in written)
-    assert names == ["attention_training-fwd-d128-causal-bfloat16-GBps.png",
-                     "attention_training-fwd-d128-causal-bfloat16-TFLOPS.png"]  # fmt: skip
-    for path in written:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+    drawn = bench_utils.figures("attention_training", loaded, tmp_path / "plots", [meta])
+    names = [figure.path.name for figure in drawn]
+    assert names == ["attention_training-overview-ours_vs_cuDNN.png",
+                     "attention_training-fwd-d128-causal-bfloat16-TFLOPS.png",
+                     "attention_training-fwd-d128-causal-bfloat16-GBps.png"]  # fmt: skip
+    # The file name is the title, spelled for a file system.
+    assert drawn[1].title == "attention training · fwd · d128-causal-bfloat16 · TFLOPS"
+    for figure in drawn:
+        assert figure.path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.path.stat().st_size > 1000
+
+
+def test_bench_figures_name_their_gpu_and_versions():
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "cuda_tile": "1.7.0"}
+    assert bench_utils.environment([meta]) == "NVIDIA H100 80GB HBM3, PyTorch 2.11.0, cuda-tile 1.7.0"
+    # What a file lacks is said, the rest shown; files of one environment show it once.
+    assert bench_utils.environment([{"torch": "2.11.0"}, {"torch": "2.11.0"}]) == "GPU not recorded, PyTorch 2.11.0"
+    assert bench_utils.environment([]) == "GPU and versions not recorded"
+
+
+def _option_results():
+    results = []
+    for seqlen, plain_ms, softcap_ms in ((1024, 1.0, 1.5), (4096, 2.0, 2.5)):
+        for option, ms in (("", plain_ms), ("softcap", softcap_ms)):
+            shape = Shape(16384 // seqlen, 16, 16, seqlen, seqlen, 128, True, "bfloat16", option)
+            results.append(Result("fwd", "cutile", shape, ms=ms, tflops=100 / ms, gbps=10 / ms))
+    return results
+
+
+def test_bench_option_figures_draw_each_modifier_against_plain(tmp_path):
+    drawn = bench_utils.figures("attention_variants", _option_results(), tmp_path, [{}])
+    assert [figure.path.name for figure in drawn] == [
+        "attention_variants-overview-time_vs_plain.png",
+        "attention_variants-fwd-d128-causal-bfloat16-softcap_vs_plain-TFLOPS.png",
+    ]
+    assert all(figure.path.stat().st_size > 1000 for figure in drawn)
 
 
 def test_bench_quick_run_skips_cleanly_without_a_gpu():
@@ -138,3 +167,28 @@ def test_bench_marks_cells_whose_host_time_nears_the_measured_time():
     assert bench_utils.HOST_BOUND_NOTE in summary
     # A marked cell outside the summarized lengths leaves the summary's note out.
     assert bench_utils.HOST_BOUND_NOTE not in bench_utils.markdown_summary(results, seqlens=(2048,))
+
+
+def test_bench_figures_read_well(tmp_path, monkeypatch):
+    """Y from zero, lengths written out, the GPU in the footer, a modifier beside plain."""
+    seen = {}
+
+    def save(figure, drawn, footer):
+        (axis, *_) = figure.axes
+        seen[drawn.path.name] = axis, footer, [line.get_label() for line in axis.lines]
+        bench_utils._pyplot().close(figure)
+        return drawn
+
+    monkeypatch.setattr(bench_utils, "_save", save)
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "cuda_tile": "1.7.0"}
+    bench_utils.figures("attention_training", _synthetic_results(), tmp_path, [meta])
+    bench_utils.figures("attention_variants", _option_results(), tmp_path, [meta])
+    axis, footer, lines = seen["attention_training-fwd-d128-causal-bfloat16-TFLOPS.png"]
+    assert axis.get_ylim()[0] == 0 and lines == ["tilegym (cuTile)", "SDPA cuDNN"]
+    assert [label.get_text() for label in axis.get_xticklabels()] == ["512", "1024", "2048"]
+    assert footer.startswith("NVIDIA H100 80GB HBM3, PyTorch 2.11.0, cuda-tile 1.7.0")
+    axis, footer, lines = seen["attention_variants-fwd-d128-causal-bfloat16-softcap_vs_plain-TFLOPS.png"]
+    assert axis.get_ylim()[0] == 0 and lines == ["plain attention, same run", "softcap 30"]
+    assert sorted(text.get_text() for text in axis.texts) == ["1.25x time", "1.50x time"]
+    axis, footer, _ = seen["attention_training-overview-ours_vs_cuDNN.png"]
+    assert [text.get_text() for text in axis.texts] == ["0.80", "0.80", "0.80"]  # ours / cuDNN per length
