@@ -468,3 +468,28 @@ def test_a_full_disk_leaves_no_temporary_files(tmp_path):
     assert "could not write the tune cache" in result.stderr
     assert path.read_bytes() == before
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["c.json", "c.json.lock"]
+
+
+def test_force_config_holds_one_config_for_one_kernel_within_its_block():
+    forced, outer = autotune.TileConfig(32, 32), autotune.TileConfig(64, 64)
+    autotune._chosen[("k", "shape", None, False)] = (outer, None)
+    with autotune.force_config("k", outer):
+        with autotune.force_config("k", forced):
+            assert autotune.forced_candidates("k") == (forced,) and autotune.forced_candidates("other") is None
+            assert not autotune._chosen  # a choice made before the block does not outlive it
+        assert autotune.forced_candidates("k") == (outer,)
+    assert autotune.forced_candidates("k") is None
+
+
+def test_a_launcher_takes_the_forced_config_as_its_only_candidate():
+    import torch
+
+    from tilegym.ops.attention import configs, launch
+
+    problem = launch.AttentionProblem(1, 2, 2, 64, 64, 128, torch.bfloat16, 0.1, False)
+    launcher = launch._Launcher.__new__(launch._Launcher)
+    launcher.problem, launcher.arch = problem, "sm_90"
+    forced = autotune.TileConfig(16, 16)
+    with autotune.force_config(configs.BACKWARD_DQ, forced):
+        assert launcher.candidates(configs.BACKWARD_DQ) == (forced,)
+        assert forced not in launcher.candidates(configs.BACKWARD_DKDV)

@@ -420,6 +420,34 @@ def _median_ms(launch: TunedKernel, config: TileConfig, stream) -> float:
 _chosen: dict[tuple, tuple[TileConfig, object]] = {}
 
 
+# Kernel name -> the one config its launches use, while force_config holds.
+_forced: dict[str, tuple[TileConfig, ...]] = {}
+
+
+@contextlib.contextmanager
+def force_config(kernel_name: str, config: TileConfig):
+    """Within the block, launches of kernel_name take config as their only candidate, tuning
+    aside (tests of every config, comparisons of configs): an op's launcher asks
+    forced_candidates before its table, so what it sizes from the candidates (buffers padded to
+    whole tiles) follows too. Configs chosen before and within the block are forgotten."""
+    previous = _forced.get(kernel_name)
+    _forced[kernel_name] = (config,)
+    _chosen.clear()
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _forced[kernel_name]
+        else:
+            _forced[kernel_name] = previous
+        _chosen.clear()
+
+
+def forced_candidates(kernel_name: str) -> tuple[TileConfig, ...] | None:
+    """The config force_config holds for kernel_name, as a candidate list; None when none."""
+    return _forced.get(kernel_name) if _forced else None
+
+
 def _memo_key(launch: TunedKernel, shape_key: str, cache: TuneCache) -> tuple:
     return launch.name, shape_key, cache.path, autotune_disabled()
 

@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -42,25 +41,18 @@ def label(config) -> str:
 
 
 def only(kernel: str, config):
-    """A patch under which `kernel` has `config` as its only candidate."""
-    from tilegym.ops.attention import configs
+    """A context under which `kernel` has `config` as its only candidate (autotune.force_config)."""
+    from tilegym import autotune
 
-    original = configs.candidates
-
-    def candidates(name, *args, **kwargs):
-        return (config,) if name == kernel else original(name, *args, **kwargs)
-
-    return mock.patch.object(configs, "candidates", candidates)
+    return autotune.force_config(kernel, config)
 
 
 def run(kernel: str, config_list, modes, shape_list, rounds: int) -> dict:
     """{(mode, shape): {label: [TFLOPS per round], "cudnn": [...]}}"""
-    from tilegym import autotune
 
     results: dict = {}
     for round_index in range(rounds):
         for config in config_list:
-            autotune._chosen.clear()  # a launch remembers its config per shape: forget it
             with only(kernel, config):
                 for shape in shape_list:
                     for mode in modes:

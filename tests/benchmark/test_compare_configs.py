@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from tests.benchmark import compare_configs
+from tilegym import autotune
 from tilegym.autotune import TileConfig
 from tilegym.ops.attention import configs
 
@@ -20,8 +21,7 @@ def test_compare_configs_parses_and_labels_configs():
 
 def test_compare_configs_patch_leaves_one_config_to_one_kernel():
     forced = TileConfig(32, 32)
-    other = configs.candidates(configs.BACKWARD_DQ, "sm_90", 128, 2)
     with compare_configs.only(configs.FORWARD_LSE, forced):
-        assert configs.candidates(configs.FORWARD_LSE, "sm_90", 128, 2) == (forced,)
-        assert configs.candidates(configs.BACKWARD_DQ, "sm_90", 128, 2) == other
-    assert configs.candidates(configs.FORWARD_LSE, "sm_90", 128, 2) != (forced,)
+        assert autotune.forced_candidates(configs.FORWARD_LSE) == (forced,)
+        assert autotune.forced_candidates(configs.BACKWARD_DQ) is None
+    assert autotune.forced_candidates(configs.FORWARD_LSE) is None

@@ -56,6 +56,29 @@ MAX_ERROR_RATIO = 4.0
 EPS = {torch.float16: 1e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}
 
 
+def max_error(actual, expected) -> float:
+    return (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+
+
+def rms_error(actual, expected) -> float:
+    return (actual.double() - expected.double()).square().mean().sqrt().item() if actual.numel() else 0.0
+
+
+def assert_close_to_reference(name, ours, baseline, reference, dtype):
+    """The tolerance rule on two statistics of the error against the fp64 reference, where
+    baseline is PyTorch (SDPA or its math) in the inputs' dtype.
+
+    RMS error: at most ERROR_RATIO x the baseline's, plus EPS; a stable measure of precision.
+    Max error: at most MAX_ERROR_RATIO x the baseline's, plus EPS; catches a few wrong elements
+    (one bad tile) that an RMS would average away, without the noise of a single worst draw.
+    """
+    assert not ours.isnan().any(), f"{name} has NaN"
+    for stat, ratio, error in (("RMS", ERROR_RATIO, rms_error), ("max", MAX_ERROR_RATIO, max_error)):
+        ours_err, base_err = error(ours, reference), error(baseline, reference)
+        bound = ratio * base_err + EPS[dtype]
+        assert ours_err <= bound, f"{name}: {stat} error {ours_err:.3e} > {ratio} x the baseline's {base_err:.3e} + eps"
+
+
 def make_inputs(case: Case, dtype, device="cuda", requires_grad=False, generator=None):
     """Fresh random q, k, v (never zeros)."""
     shapes = [

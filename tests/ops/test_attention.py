@@ -1,5 +1,6 @@
 """Attention on the GPU against a float64 reference; every test skips without CUDA."""
 
+import contextlib
 import math
 
 import pytest
@@ -9,16 +10,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.ops.attention_cases import (
     CORNERS,
-    EPS,
-    ERROR_RATIO,
     GQA,
     HEAD_DIMS,
     IRREGULAR,
-    MAX_ERROR_RATIO,
     REGULAR,
     SEQLEN_MISMATCH,
     Case,
+    assert_close_to_reference,
     make_inputs,
+    max_error,
 )
 from tests.ops.conftest import requires_cuda
 from tilegym import autotune, fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
@@ -28,14 +28,6 @@ from tilegym.ops.attention.reference import attention_reference, causal_mask
 pytestmark = requires_cuda
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
-
-
-def _max_error(actual, expected) -> float:
-    return (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
-
-
-def _rms_error(actual, expected) -> float:
-    return (actual.double() - expected.double()).square().mean().sqrt().item() if actual.numel() else 0.0
 
 
 def _sdpa_baseline(q, k, v, d_out, scale, causal):
@@ -67,20 +59,6 @@ def _sdpa_run(q, k, v, d_out, scale, causal):
     return out.detach(), grads
 
 
-def _assert_close_to_reference(name, ours, baseline, reference, dtype):
-    """The tolerance rule on two statistics of the error against the fp64 reference.
-
-    RMS error: at most ERROR_RATIO x SDPA's, plus EPS; a stable measure of precision.
-    Max error: at most MAX_ERROR_RATIO x SDPA's, plus EPS; catches a few wrong elements
-    (one bad tile) that an RMS would average away, without the noise of a single worst draw.
-    """
-    assert not ours.isnan().any(), f"{name} has NaN"
-    for stat, ratio, error in (("RMS", ERROR_RATIO, _rms_error), ("max", MAX_ERROR_RATIO, _max_error)):
-        ours_err, base_err = error(ours, reference), error(baseline, reference)
-        bound = ratio * base_err + EPS[dtype]
-        assert ours_err <= bound, f"{name}: {stat} error {ours_err:.3e} > {ratio} x SDPA's {base_err:.3e} + eps"
-
-
 def _poisoned_like(t, dtype=None):
     return torch.full(t.shape, math.nan, dtype=dtype or t.dtype, device=t.device)
 
@@ -110,13 +88,13 @@ def check_forward_and_backward(case: Case, dtype, causal, scaling=None, transfor
     grads = tuple(_poisoned_like(t) for t in (q, k, v))
     launch.backward(d_out, q, k, v, out, lse, problem, grads=grads)
 
-    _assert_close_to_reference("out", out, base_out, ref_out, dtype)
+    assert_close_to_reference("out", out, base_out, ref_out, dtype)
     sees_none = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), sees_none), "lse must be -inf exactly where a row sees no key"
     lse_tolerance = 1e-5 if dtype != torch.float64 else 1e-12
-    assert _max_error(lse[~sees_none], ref_lse[~sees_none]) <= lse_tolerance * (1 + ref_lse.abs().max().item())
+    assert max_error(lse[~sees_none], ref_lse[~sees_none]) <= lse_tolerance * (1 + ref_lse.abs().max().item())
     for name, ours, base, ref in zip(("dq", "dk", "dv"), grads, base_grads, ref_grads, strict=True):
-        _assert_close_to_reference(name, ours, base, ref, dtype)
+        assert_close_to_reference(name, ours, base, ref, dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -198,7 +176,7 @@ def test_op_attention_runs_on_the_current_stream(backward, monkeypatch):
     for name, ours, base, ref in zip(
         ("out", "dq", "dk", "dv"), (out, *grads), (base_out, *base_grads), (ref_out, *ref_grads), strict=True
     ):
-        _assert_close_to_reference(name, ours, base, ref, torch.bfloat16)
+        assert_close_to_reference(name, ours, base, ref, torch.bfloat16)
 
 
 FIXED_MAX_HEAD_DIMS = tuple(configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS)
@@ -228,19 +206,11 @@ FIXED_MAX_CONFIGS = [
 
 
 @pytest.fixture
-def force_config(monkeypatch):
-    """force_config(kernel name, config): launches of that kernel use the config, tuning aside."""
-
-    def force(kernel_name, config):
-        candidates = launch._Launcher.candidates
-        monkeypatch.setattr(
-            launch._Launcher,
-            "candidates",
-            lambda self, name: (config,) if name == kernel_name else candidates(self, name),
-        )
-        monkeypatch.setattr(autotune, "_chosen", {})  # configs chosen so far stay out, and this one stays in
-
-    return force
+def force_config():
+    """force_config(kernel name, config): launches of that kernel use the config, tuning aside,
+    until the test ends (autotune.force_config)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda kernel_name, config: stack.enter_context(autotune.force_config(kernel_name, config))
 
 
 def _ran_with(kernel_name, config) -> bool:
@@ -276,8 +246,8 @@ def test_op_attention_fixed_max_forward_recomputes_after_overflow(head_dim, conf
     out, lse = _poisoned_like(q), _poisoned_like(ref_lse, torch.float32)
     launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse)
     assert _ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
-    _assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
-    assert _max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
+    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -322,9 +292,9 @@ def test_op_attention_lse_public_api():
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, 150)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = ~torch.isinf(ref_lse)
-    assert _max_error(lse[finite], ref_lse[finite]) < 1e-4
+    assert max_error(lse[finite], ref_lse[finite]) < 1e-4
     assert torch.equal(out[:, :, :60], torch.zeros_like(out[:, :, :60])), "rows that see no key output zeros"
-    assert _max_error(out, ref_out) < 2e-2
+    assert max_error(out, ref_out) < 2e-2
 
 
 def test_op_attention_inference_kernel():
@@ -334,7 +304,7 @@ def test_op_attention_inference_kernel():
         out = tile_fmha(q, k, v, is_causal=causal)
         ref_out, _ = attention_reference(q, k, v, is_causal=causal)
         base_out, _ = _sdpa_baseline(q, k, v, torch.zeros_like(q), None, causal)
-        _assert_close_to_reference("out", out, base_out, ref_out, torch.float16)
+        assert_close_to_reference("out", out, base_out, ref_out, torch.float16)
 
 
 def test_op_attention_functional_modes():
@@ -351,7 +321,7 @@ def test_op_attention_functional_modes():
     out = tile_fmha_functional(q, k, v, is_causal=False)
     out.sum().backward()
     ref_out, _ = attention_reference(q, k, v, is_causal=False)
-    assert _max_error(out, ref_out) < 2e-2
+    assert max_error(out, ref_out) < 2e-2
     assert all(t.grad is not None and not t.grad.isnan().any() for t in (q, k, v))
 
 

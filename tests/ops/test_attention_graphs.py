@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import EPS, Case, make_inputs
+from tests.ops.attention_cases import EPS, Case, make_inputs, max_error
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_with_backward
 from tilegym.ops.attention import custom_ops
@@ -21,15 +21,11 @@ ODD = Case("odd-lengths", 2, 3, 3, 77, 93, 64)
 GQA_D128 = Case("gqa-d128", 1, 8, 2, 130, 257, 128)
 
 
-def _max_error(actual, expected) -> float:
-    return (actual.double() - expected.double()).abs().max().item()
-
-
 def _assert_like_eager(name, got, eager, reference, dtype):
     assert not got.isnan().any(), f"{name} has NaN"
     torch.testing.assert_close(got, eager, msg=lambda m: f"{name} differs from the eager call: {m}")
-    bound = 1.1 * _max_error(eager, reference) + EPS[dtype]
-    assert _max_error(got, reference) <= bound, f"{name}: error against float64 above the eager call's"
+    bound = 1.1 * max_error(eager, reference) + EPS[dtype]
+    assert max_error(got, reference) <= bound, f"{name}: error against float64 above the eager call's"
 
 
 def _training_step(fn, q, k, v, d_out, **kwargs):

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import EPS, ERROR_RATIO, MAX_ERROR_RATIO, Case, make_inputs
+from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import launch
@@ -97,22 +97,6 @@ VARIANTS = {
 }
 
 
-def _error(actual, expected, rms: bool) -> float:
-    if actual.numel() == 0:
-        return 0.0
-    diff = (actual.double() - expected.double()).abs()
-    return diff.square().mean().sqrt().item() if rms else diff.max().item()
-
-
-def _assert_close(name, ours, baseline, reference, dtype):
-    assert not ours.isnan().any(), f"{name} has NaN"
-    for rms, ratio in ((True, ERROR_RATIO), (False, MAX_ERROR_RATIO)):
-        ours_err, base_err = _error(ours, reference, rms), _error(baseline, reference, rms)
-        bound = ratio * base_err + EPS[dtype]
-        stat = "RMS" if rms else "max"
-        assert ours_err <= bound, f"{name}: {stat} error {ours_err:.3e} > {ratio} x baseline's {base_err:.3e} + eps"
-
-
 def _reference_run(q, k, v, d_out, causal, kwargs, compute_dtype):
     """(out, lse, grads of q, k, v and the bias) of the reference in compute_dtype."""
     inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
@@ -148,17 +132,17 @@ def check_variant(case: Case, dtype, causal: bool, kwargs: dict):
         d_out, q, k, v, out, lse, problem, grads=grads, mod_tensors=mod_tensors, bias_grad=bias_grad
     )
 
-    _assert_close("out", out, base_out, ref_out, dtype)
+    assert_close_to_reference("out", out, base_out, ref_out, dtype)
     sees_none = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), sees_none), "lse must be -inf exactly where a row sees no key"
     lse_tolerance = 1e-5 if dtype != torch.float64 else 1e-12
     scale = 1 + ref_lse[~sees_none].abs().max().item() if (~sees_none).any() else 1
-    assert _error(lse[~sees_none], ref_lse[~sees_none], rms=False) <= lse_tolerance * scale
+    assert max_error(lse[~sees_none], ref_lse[~sees_none]) <= lse_tolerance * scale
     names = ("dq", "dk", "dv", "dbias")
     for name, ours, base, ref in zip(names, (*grads, d_bias), base_grads, ref_grads, strict=False):
         if name == "dbias":
             assert ours.shape == bias.shape and ours.dtype == bias.dtype, "dBias takes the bias's shape and dtype"
-        _assert_close(name, ours, base, ref, dtype)
+        assert_close_to_reference(name, ours, base, ref, dtype)
     assert (d_bias is None) == (not bias_grad)
 
 
@@ -201,8 +185,8 @@ def test_op_attention_variant_public_api():
     out_train = tile_fmha_with_backward(q, k, v, is_causal=False, **kwargs)
     out_functional = tile_fmha_functional(q, k, v, is_causal=False, **kwargs)
     for out in (out_inference, out_lse, out_train, out_functional):
-        assert _error(out, ref_out, rms=False) < 3e-2
-    assert _error(lse, ref_lse, rms=False) < 1e-4
+        assert max_error(out, ref_out) < 3e-2
+    assert max_error(lse, ref_lse) < 1e-4
     assert out_functional.grad_fn is not None
     out_train.backward(torch.ones_like(out_train))
     assert bias.grad is not None and bias.grad.shape == bias.shape and torch.isfinite(bias.grad).all()

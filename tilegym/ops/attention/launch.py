@@ -274,6 +274,9 @@ class _Launcher:
         self.stream = current_stream_handle(device.index)
 
     def candidates(self, kernel_name: str):
+        forced = autotune.forced_candidates(kernel_name)
+        if forced is not None:
+            return forced
         problem = self.problem
         modified = problem.mods != PLAIN
         return configs.candidates(kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, modified)
