@@ -38,12 +38,20 @@ def spans_past_int32(t: torch.Tensor) -> bool:
 
 
 def contiguous_needs_int64(shape: tuple[int, ...], element_size: int) -> bool:
-    """needs_int64 of a new contiguous tensor of this shape (one that a call allocates)."""
-    t = torch.empty(shape, dtype=_DTYPE_OF_SIZE[element_size], device="meta")
-    return needs_int64(t)
-
-
-_DTYPE_OF_SIZE = {2: torch.float16, 4: torch.float32, 8: torch.float64}
+    """needs_int64 of a new contiguous tensor of this shape (one a call allocates, so aligned),
+    by arithmetic: checks run on every call with a score modifier."""
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= size
+    strides.reverse()
+    if max(shape, default=0) > INT32_MAX or max(strides, default=0) > INT32_MAX:
+        return True
+    if stride * element_size <= INT32_MAX:  # stride is now the element count
+        return False
+    return any(
+        s * element_size % _BULK_COPY_ALIGNMENT for s, size in zip(strides[:-1], shape, strict=False) if size > 1
+    )
 
 
 def _bulk_copyable(t: torch.Tensor) -> bool:

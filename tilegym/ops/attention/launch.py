@@ -174,7 +174,8 @@ def _check_all_inputs(
     _check_index_ranges(q_heads, seqlen_q, seqlen_k)
     sizes = (batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim)
     wide_index = any(index_width.needs_int64(t) for t in (q, k, v, bias) if t is not None)
-    wide_index = wide_index or _allocations_need_int64(*sizes, q.dtype.itemsize, bias, bias_mode)
+    bias_size = 0 if bias is None else bias.element_size()
+    wide_index = wide_index or _allocations_need_int64(*sizes, q.dtype.itemsize, bias_size, bias_mode)
     problem = AttentionProblem(
         batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, causal, mods, wide_index
     )  # fmt: skip
@@ -193,10 +194,12 @@ def _check_index_ranges(q_heads: int, seqlen_q: int, seqlen_k: int) -> None:
         )
 
 
-def _allocations_need_int64(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, itemsize, bias, bias_mode):
+@lru_cache(maxsize=1024)
+def _allocations_need_int64(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, itemsize, bias_size, bias_mode):
     """Whether a tensor a call allocates needs the int64-indexed kernels (index_width): out and
-    dQ, dK and dV, the row statistics, the dBias workspace (fp32 or the bias's dtype) and the
-    fused backward's fp32 sums over rows padded to whole tiles of any config."""
+    dQ, dK and dV, the row statistics, the dBias workspace (fp32 or the bias's dtype, bias_size
+    bytes; 0: no bias) and the fused backward's fp32 sums over rows padded to whole tiles of any
+    config. Cached: calls with score modifiers are checked in full every time."""
     stat_size = 8 if itemsize == 8 else 4
     padded = configs.MAX_BLOCK
     tile = configs.head_dim_tile(head_dim)
@@ -207,9 +210,9 @@ def _allocations_need_int64(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_d
         ((batch, q_heads, seqlen_q + padded, tile), 4),
         ((batch, kv_heads, seqlen_k + padded, tile), 4),
     ]
-    if bias is not None:
+    if bias_size:
         rows = 1 if bias_mode == score_mods.BIAS_ONE_ROW else seqlen_q
-        shapes += [((batch, q_heads, rows, seqlen_k), size) for size in {bias.element_size(), stat_size}]
+        shapes += [((batch, q_heads, rows, seqlen_k), size) for size in {bias_size, stat_size}]
     return any(index_width.contiguous_needs_int64(shape, size) for shape, size in shapes)
 
 
