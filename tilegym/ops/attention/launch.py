@@ -194,12 +194,22 @@ def _check_index_ranges(q_heads: int, seqlen_q: int, seqlen_k: int) -> None:
         )
 
 
-@lru_cache(maxsize=1024)
-def _allocations_need_int64(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, itemsize, bias_size, bias_mode):
+def _allocations_need_int64(*sizes) -> bool:
+    """Whether a tensor a call allocates needs the int64-indexed kernels (_allocation_shapes_need_int64).
+    Cached for int sizes, since calls with score modifiers are checked in full every time;
+    symbolic sizes (torch.compile's fake tensors) cannot be cached and are computed each time."""
+    if all(type(size) is int for size in sizes):
+        return _cached_allocations_need_int64(*sizes)
+    return _allocation_shapes_need_int64(*sizes)
+
+
+def _allocation_shapes_need_int64(
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, itemsize, bias_size, bias_mode
+):
     """Whether a tensor a call allocates needs the int64-indexed kernels (index_width): out and
     dQ, dK and dV, the row statistics, the dBias workspace (fp32 or the bias's dtype, bias_size
     bytes; 0: no bias) and the fused backward's fp32 sums over rows padded to whole tiles of any
-    config. Cached: calls with score modifiers are checked in full every time."""
+    config."""
     stat_size = 8 if itemsize == 8 else 4
     padded = configs.MAX_BLOCK
     tile = configs.head_dim_tile(head_dim)
@@ -214,6 +224,9 @@ def _allocations_need_int64(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_d
         rows = 1 if bias_mode == score_mods.BIAS_ONE_ROW else seqlen_q
         shapes += [((batch, q_heads, rows, seqlen_k), size) for size in {bias_size, stat_size}]
     return any(index_width.contiguous_needs_int64(shape, size) for shape, size in shapes)
+
+
+_cached_allocations_need_int64 = lru_cache(maxsize=1024)(_allocation_shapes_need_int64)
 
 
 def addressable(t: torch.Tensor) -> torch.Tensor:
