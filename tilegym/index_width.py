@@ -24,45 +24,48 @@ _BULK_COPY_ALIGNMENT = 16  # bytes, of a TMA tensor's base address and strides
 
 def needs_int64(t: torch.Tensor) -> bool:
     """Whether cuTile's default 32-bit indexing cannot address every element of t."""
-    if max(t.shape, default=0) > INT32_MAX or max(t.stride(), default=0) > INT32_MAX:
-        return True
-    return spans_past_int32(t) and not _bulk_copyable(t)
-
-
-def spans_past_int32(t: torch.Tensor) -> bool:
-    """Whether t's elements reach more than 2**31 - 1 bytes past its first."""
-    if t.numel() == 0:
-        return False
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size() > INT32_MAX
+    # The address is read only for a tensor past 2**31 bytes: torch.compile's fake tensors have none.
+    return _layout_needs_int64(tuple(t.shape), t.stride(), t.element_size(), t.data_ptr)
 
 
 def contiguous_needs_int64(shape: tuple[int, ...], element_size: int) -> bool:
     """needs_int64 of a new contiguous tensor of this shape (one a call allocates, so aligned),
-    by arithmetic: checks run on every call with a score modifier."""
+    by arithmetic rather than a tensor: calls with a score modifier check every time."""
     strides, stride = [], 1
     for size in reversed(shape):
         strides.append(stride)
         stride *= size
-    strides.reverse()
+    return _layout_needs_int64(tuple(shape), tuple(reversed(strides)), element_size, lambda: 0)
+
+
+def spans_past_int32(t: torch.Tensor) -> bool:
+    """Whether t's elements reach more than 2**31 - 1 bytes past its first."""
+    return _span_bytes(tuple(t.shape), t.stride(), t.element_size()) > INT32_MAX
+
+
+def _layout_needs_int64(shape, strides, element_size: int, address) -> bool:
+    """The rule of the module docstring: a size or stride past int32, or more than 2**31 bytes
+    that bulk copies cannot move (a base address or a stride not a multiple of 16 bytes).
+    address: a callable giving the base address, asked only when the span decides nothing."""
     if max(shape, default=0) > INT32_MAX or max(strides, default=0) > INT32_MAX:
         return True
-    if stride * element_size <= INT32_MAX:  # stride is now the element count
+    if _span_bytes(shape, strides, element_size) <= INT32_MAX:
         return False
-    return any(
-        s * element_size % _BULK_COPY_ALIGNMENT for s, size in zip(strides[:-1], shape, strict=False) if size > 1
-    )
+    bulk_copyable = (
+        address() % _BULK_COPY_ALIGNMENT == 0
+        and (not strides or strides[-1] == 1)
+        and all(stride * element_size % _BULK_COPY_ALIGNMENT == 0
+                for size, stride in zip(shape[:-1], strides[:-1], strict=True) if size > 1)
+    )  # fmt: skip
+    return not bulk_copyable
 
 
-def _bulk_copyable(t: torch.Tensor) -> bool:
-    # On the meta device data_ptr() is 0: allocations are aligned, so that reads as aligned.
-    size = t.element_size()
-    strides_aligned = all(
-        stride * size % _BULK_COPY_ALIGNMENT == 0
-        for dim, stride in enumerate(t.stride())
-        if dim < t.dim() - 1 and t.shape[dim] > 1
-    )
-    return t.stride(-1) == 1 and t.data_ptr() % _BULK_COPY_ALIGNMENT == 0 and strides_aligned
+def _span_bytes(shape, strides, element_size: int) -> int:
+    """Bytes from a tensor's first element to the end of its last (0 when it has none)."""
+    if 0 in shape:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+    return (last + 1) * element_size
 
 
 @cache
