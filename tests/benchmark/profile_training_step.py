@@ -1,5 +1,5 @@
 r"""One training step (forward, then backward) of ours and of SDPA's cuDNN backend inside a CUDA
-profiler range, for Nsight Compute. Kept to reproduce docs/perf-notes.md section 26:
+profiler range, for Nsight Compute. Kept to reproduce perf-notes#q-loaded-twice:
 
     ncu --clock-control none --profile-from-start off --set full -o step -f \
         python tests/benchmark/profile_training_step.py --seqlen 4096 --head-dim 128
