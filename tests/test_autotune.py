@@ -485,8 +485,9 @@ def test_a_launcher_takes_the_forced_config_as_its_only_candidate():
     import torch
 
     from tilegym.ops.attention import configs, launch
+    from tilegym.ops.attention import problem as problem_mod
 
-    problem = launch.AttentionProblem(1, 2, 2, 64, 64, 128, torch.bfloat16, 0.1, False)
+    problem = problem_mod.AttentionProblem(1, 2, 2, 64, 64, 128, torch.bfloat16, 0.1, False)
     launcher = launch._Launcher.__new__(launch._Launcher)
     launcher.problem, launcher.arch = problem, "sm_90"
     forced = autotune.TileConfig(16, 16)

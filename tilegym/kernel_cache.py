@@ -22,12 +22,13 @@ one lock per process; here the lock is held only while the kernel is lowered to 
 are cancelled, and the one running is bounded by _AHEAD_TIMEOUT_SEC: exit waits for no more.
 """
 
+import ast
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import logging
 import os
-import sys
 import tempfile
 import threading
 import warnings
@@ -213,11 +214,55 @@ def _compiler_fingerprint(search_path: str, cuda_home: str) -> str:
 
 @cache
 def _package_digest(module_name: str) -> str:
-    folder = Path(sys.modules[module_name].__file__).parent
+    """sha256 over the source of the kernel's module and of every module of its top-level
+    package that it imports, transitively: a device helper or constant shared from another
+    module changes the key of every kernel that uses it."""
     digest = hashlib.sha256()
-    for source in sorted(folder.glob("*.py")):
-        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    for name in sorted(package_imports(module_name)):
+        digest.update(name.encode() + b"\0" + _module_source(name) + b"\0")
     return digest.hexdigest()
+
+
+def package_imports(module_name: str) -> set[str]:
+    """The module and the modules of its top-level package it imports, transitively (read from
+    their source with ast: whatever they import, also inside functions)."""
+    top = module_name.partition(".")[0]
+    found: set[str] = set()
+    pending = [module_name]
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for imported in _imports(_module_source(name)):
+            if imported.partition(".")[0] == top and imported not in found:
+                pending.append(imported)
+    return found
+
+
+def _imports(source: bytes) -> list[str]:
+    """Absolute names of the modules the source imports: for `from a import b`, a.b where b is a
+    module, else a."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                names.append(submodule if _is_module(submodule) else node.module)
+    return names
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError, AttributeError):  # a name inside a module, not a module
+        return False
+
+
+def _module_source(name: str) -> bytes:
+    return Path(importlib.util.find_spec(name).origin).read_bytes()
 
 
 def _read(path: Path) -> tuple[str, bytes] | None:

@@ -20,7 +20,6 @@ SCRIPTS = [
     "compare_configs.py",
     "first_call.py",
     "profile_training_step.py",
-    "experiment_fused_backward.py",
     "replot.py",
 ]
 COMMITTED = ROOT / "docs" / "benchmarks" / "h100"

@@ -13,19 +13,9 @@ import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 
 from tilegym import autotune, index_width
-from tilegym.ops.attention import configs, kernels
+from tilegym.ops.attention import configs
+from tilegym.ops.attention.variants import VARIANTS
 
-KERNELS = {
-    configs.FORWARD: kernels.attention_forward_kernel,
-    configs.FORWARD_LSE: kernels.attention_forward_lse_kernel,
-    configs.FORWARD_FIXED_MAX: kernels.attention_forward_kernel,  # with fixed_max on
-    configs.FORWARD_LSE_FIXED_MAX: kernels.attention_forward_lse_kernel,  # with fixed_max on
-    configs.BACKWARD_PREPROCESS: kernels.attention_backward_preprocess_kernel,
-    configs.BACKWARD_DKDV: kernels.attention_backward_dkdv_kernel,
-    configs.BACKWARD_DQ: kernels.attention_backward_dq_kernel,
-    configs.BACKWARD_FUSED: kernels.attention_backward_dkdv_kernel,  # with sum_dq on
-    configs.BACKWARD_FUSED_GROUPED: kernels.attention_backward_dkdv_kernel,  # with sum_dq and sum_dkdv on
-}
 _ROW_STATS = ("Lse", "Delta", "LseBase2")
 
 
@@ -57,7 +47,8 @@ def signature(
     gives every array int64 sizes and strides (index_width.wide's twin of the kernel).
     """
     index_dtype = ct.int64 if wide else ct.int32
-    kernel = KERNELS[kernel_name]
+    variant = VARIANTS[kernel_name]
+    kernel = variant.kernel
     stat_dtype = ct.float64 if dtype == ct.float64 else ct.float32
     constants = {
         "block_m": config.block_m,
@@ -65,10 +56,7 @@ def signature(
         "block_d": configs.head_dim_tile(head_dim),
         "causal": causal,
         **PLAIN,
-        # The dK/dV kernel, fused with dQ; grouped: a program per query head, dK/dV summed too.
-        "sum_dq": kernel_name in (configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED),
-        "sum_dkdv": kernel_name == configs.BACKWARD_FUSED_GROUPED,
-        "fixed_max": kernel_name in (configs.FORWARD_FIXED_MAX, configs.FORWARD_LSE_FIXED_MAX),
+        **variant.fixed,
         **(switches or {}),
     }
     params = []
@@ -82,8 +70,8 @@ def signature(
         elif (
             name in _ROW_STATS
             or name == "DBias"
-            or (name == "DQSum" and constants["sum_dq"])
-            or (name in ("dK", "dV") and constants["sum_dkdv"])
+            or (name == "DQSum" and constants.get("sum_dq"))
+            or (name in ("dK", "dV") and constants.get("sum_dkdv"))
         ):
             params.append(_array(stat_dtype, 3 if name in _ROW_STATS else 4, index_dtype))
         elif name == "Slopes":
@@ -96,7 +84,7 @@ def signature(
 def compile_cubin(
     kernel_name: str, dtype, head_dim: int, config, causal: bool, arch: str, path: Path, switches=None, wide=False
 ) -> Path:
-    kernel = KERNELS[kernel_name]
+    kernel = VARIANTS[kernel_name].kernel
     kernel = autotune.with_hints(index_width.wide(kernel) if wide else kernel, config)
     export_kernel(
         kernel,

@@ -21,8 +21,9 @@ from tests.ops.attention_cases import (
     max_error,
 )
 from tests.ops.conftest import requires_cuda
-from tilegym import autotune, fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
-from tilegym.ops.attention import configs, launch
+from tilegym import autotune, fmha_forward_with_lse, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym.ops.attention import configs, dispatch, launch
+from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_reference, causal_mask
 
 pytestmark = requires_cuda
@@ -72,7 +73,7 @@ def check_forward_and_backward(case: Case, dtype, causal, scaling=None, transfor
     q, k, v = make_inputs(case, dtype)
     if transform is not None:
         q, k, v = (transform(t) for t in (q, k, v))
-    problem, _ = launch.check_inputs(q, k, v, scaling, causal)
+    problem, _ = problem_mod.check_inputs(q, k, v, scaling, causal)
     scale = problem.softmax_scale
 
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -134,7 +135,7 @@ def test_op_attention_fused_backward(case, dtype, causal, monkeypatch):
 def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal):
     """Just past the length from which "auto" picks the fused backward; odd, so the last tiles
     are partial."""
-    seqlen = configs.FUSED_BACKWARD_MIN_SEQLEN_K + 3
+    seqlen = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K + 3
     check_forward_and_backward(Case("fused-auto", 1, 2, 1, seqlen, seqlen, head_dim), torch.bfloat16, causal)
 
 
@@ -142,7 +143,7 @@ def test_op_attention_fused_backward_chosen_for_long_sequences(head_dim, causal)
 @pytest.mark.parametrize("head_dim", FUSED_HEAD_DIM_TILES)
 def test_op_attention_fused_causal_backward_spans_head_groups(head_dim, query_heads, kv_heads, monkeypatch):
     """The fused causal backward hands out its programs by key tile across groups of heads
-    (kernels._heaviest_first): 3 key tiles make groups of 86 heads, so 183 or 186 query heads
+    (kernels/scheduling.py, heaviest_first): 3 key tiles make groups of 86 heads, so 183 or 186 query heads
     (with GQA, a program per query head) fill two groups and part of a third."""
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
     check_forward_and_backward(Case("head-groups", 3, query_heads, kv_heads, 333, 333, head_dim), torch.bfloat16, True)
@@ -155,7 +156,7 @@ def test_op_attention_runs_on_the_current_stream(backward, monkeypatch):
     stream is."""
     monkeypatch.setenv("TILEGYM_BACKWARD", backward)
     q, k, v = make_inputs(Case("side-stream", 2, 4, 2, 200, 300, 64), torch.bfloat16)
-    problem, _ = launch.check_inputs(q, k, v, None, True)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, True)
     d_out = torch.randn_like(q)
     base_out, base_grads = _sdpa_baseline(q, k, v, d_out, problem.softmax_scale, True)
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -179,21 +180,21 @@ def test_op_attention_runs_on_the_current_stream(backward, monkeypatch):
         assert_close_to_reference(name, ours, base, ref, torch.bfloat16)
 
 
-FIXED_MAX_HEAD_DIMS = tuple(configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS)
+FIXED_MAX_HEAD_DIMS = tuple(dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS)
 
 
 def _fixed_max_seqlen_k(head_dim, seqlen_q, causal):
     """An odd key length a little past the one from which the forward keeps a fixed row max
     (so the last tiles are partial); seqlen_q=None for a square problem."""
-    min_keys = configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[head_dim]
+    min_keys = dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[head_dim]
     if not causal:
         return min_keys + 3
     return 2 * min_keys + 3 if seqlen_q is None else min_keys + seqlen_q // 2 + 3
 
 
 def _assert_fixed_max_chosen(q, k, v, causal):
-    problem, _ = launch.check_inputs(q, k, v, None, causal)
-    assert launch._fixed_max_forward(problem, launch._Launcher(problem, q.device))
+    problem, _ = problem_mod.check_inputs(q, k, v, None, causal)
+    assert dispatch.fixed_max_forward(problem, launch._Launcher(problem, q.device).candidates)
     return problem
 
 
@@ -281,7 +282,7 @@ def test_op_attention_strided_inputs(transform, causal):
 
 def test_op_attention_bshd_view_is_not_copied():
     q, k, v = (_bshd_view(t) for t in make_inputs(Case("view", 1, 2, 2, 64, 64, 64), torch.float16))
-    assert launch.addressable(q) is q
+    assert launching.addressable(q) is q
 
 
 def test_op_attention_lse_public_api():

@@ -126,7 +126,7 @@ def _check_modified_compile(kernel, dtype, head_dim, config, switches, tmp_path)
 def test_op_attention_int64_indexed_twins_compile(kernel, tmp_path):
     """Each kernel's int64-indexed twin (index_width.wide), which runs where a size or stride
     passes int32, compiles for sm_90 with every array indexed by int64, its positions in int32.
-    (The fixed-max forwards are never run wide: launch._fixed_max_forward.)"""
+    (The fixed-max forwards are never run wide: dispatch.fixed_max_forward.)"""
     config = configs.candidates(kernel, "sm_90", 64, element_size=2)[0]
     cubin = aot.compile_cubin(kernel, ct.bfloat16, 64, config, True, "sm_90", tmp_path / "k.cubin", wide=True)
     text = aot.sass(cubin)

@@ -1,5 +1,6 @@
 """Attention checks that need no GPU: config tables, validation, index widths, launch arguments, reference."""
 
+import collections
 import dataclasses
 import math
 import subprocess
@@ -8,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from tilegym import index_width, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
-from tilegym.ops.attention import configs, launch, score_mods
+from tilegym import index_width, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym.ops.attention import configs, dispatch, launch, score_mods
+from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
 from tilegym.ops.attention.score_mods import ScoreMods
 
@@ -78,7 +80,7 @@ def test_op_head_dim_tile(head_dim, tile):
     [((8, 0), "sm_80"), ((8, 9), "sm_80"), ((9, 0), "sm_90"), ((10, 0), "sm_100"), ((12, 0), "sm_120")],
 )
 def test_op_arch_family(capability, arch):
-    assert configs.arch_family(capability) == arch
+    assert launching.arch_family(capability) == arch
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def test_op_attention_rejects_huge_grid():
 
 
 class _CountingChecks:
-    """Stands in for launch._check_all_inputs: counts the full checks, and fails the call when
+    """Stands in for problem_mod._check_all_inputs: counts the full checks, and fails the call when
     told to (as the real checks do for bad input)."""
 
     def __init__(self):
@@ -167,7 +169,7 @@ class _CountingChecks:
         if self.reject:
             raise ValueError("rejected")
         batch, heads, seqlen, head_dim = q.shape
-        problem = launch.AttentionProblem(batch, heads, heads, seqlen, seqlen, head_dim, q.dtype, 0.125, is_causal)
+        problem = problem_mod.AttentionProblem(batch, heads, heads, seqlen, seqlen, head_dim, q.dtype, 0.125, is_causal)
         return problem, score_mods.ModTensors()
 
 
@@ -176,20 +178,20 @@ def test_op_plain_calls_are_checked_in_full_once(monkeypatch):
     before takes the checked problem; any difference, a modifier, a value that is not a plain
     float, bool or tensor, or a call that failed its checks goes through every check."""
     checks = _CountingChecks()
-    monkeypatch.setattr(launch, "_check_all_inputs", checks)
-    monkeypatch.setattr(launch, "_checked_plain_calls", {})
+    monkeypatch.setattr(problem_mod, "_check_all_inputs", checks)
+    monkeypatch.setattr(problem_mod, "_checked_plain_calls", {})
     q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
-    first, _ = launch.check_inputs(q, k, v, None, True)
-    again, mod_tensors = launch.check_inputs(torch.randn_like(q), k.clone(), v.clone(), None, True)
+    first, _ = problem_mod.check_inputs(q, k, v, None, True)
+    again, mod_tensors = problem_mod.check_inputs(torch.randn_like(q), k.clone(), v.clone(), None, True)
     assert checks.calls == 1 and again is first and mod_tensors == score_mods.NO_TENSORS
     for call in (
-        lambda: launch.check_inputs(q, k, v, None, False),
-        lambda: launch.check_inputs(q, k, v, 0.5, True),
-        lambda: launch.check_inputs(q, k, v, 1, True),  # an int scaling: checked every time
-        lambda: launch.check_inputs(q.half(), k, v, None, True),
-        lambda: launch.check_inputs(q[:, :, :8], k, v, None, True),
-        lambda: launch.check_inputs(q, k, v, None, True, softcap=30.0),
-        lambda: launch.check_inputs(torch.nn.Parameter(q), k, v, None, True),
+        lambda: problem_mod.check_inputs(q, k, v, None, False),
+        lambda: problem_mod.check_inputs(q, k, v, 0.5, True),
+        lambda: problem_mod.check_inputs(q, k, v, 1, True),  # an int scaling: checked every time
+        lambda: problem_mod.check_inputs(q.half(), k, v, None, True),
+        lambda: problem_mod.check_inputs(q[:, :, :8], k, v, None, True),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, softcap=30.0),
+        lambda: problem_mod.check_inputs(torch.nn.Parameter(q), k, v, None, True),
     ):
         before = checks.calls
         call()
@@ -198,29 +200,29 @@ def test_op_plain_calls_are_checked_in_full_once(monkeypatch):
     checks.reject = True
     for _ in range(2):
         with pytest.raises(ValueError, match="rejected"):
-            launch.check_inputs(q, k, v, None, True, window_size=(4, 0))
+            problem_mod.check_inputs(q, k, v, None, True, window_size=(4, 0))
         with pytest.raises(ValueError, match="rejected"):
-            launch.check_inputs(q, k[:, :2], v[:, :2], None, True)
-    assert launch.check_inputs(q, k, v, None, True)[0] is first  # still known
+            problem_mod.check_inputs(q, k[:, :2], v[:, :2], None, True)
+    assert problem_mod.check_inputs(q, k, v, None, True)[0] is first  # still known
 
 
 def test_op_plain_call_memo_is_bounded(monkeypatch):
-    monkeypatch.setattr(launch, "_check_all_inputs", _CountingChecks())
-    monkeypatch.setattr(launch, "_checked_plain_calls", {})
+    monkeypatch.setattr(problem_mod, "_check_all_inputs", _CountingChecks())
+    monkeypatch.setattr(problem_mod, "_checked_plain_calls", {})
     q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
-    for i in range(launch._CHECKED_PLAIN_CALLS_MAX + 5):
-        launch.check_inputs(q, k, v, 1.0 + i, True)
-    assert len(launch._checked_plain_calls) <= launch._CHECKED_PLAIN_CALLS_MAX
+    for i in range(problem_mod._CHECKED_PLAIN_CALLS_MAX + 5):
+        problem_mod.check_inputs(q, k, v, 1.0 + i, True)
+    assert len(problem_mod._checked_plain_calls) <= problem_mod._CHECKED_PLAIN_CALLS_MAX
 
 
 def test_op_split_float_is_exact_to_fp64_rounding():
-    for x in (1 / math.sqrt(80) * launch.LOG2E, 0.125, -0.3, 1e-6):
-        hi, lo = launch.split_float(x)
+    for x in (1 / math.sqrt(80) * problem_mod.LOG2E, 0.125, -0.3, 1e-6):
+        hi, lo = launching.split_float(x)
         assert abs((hi + lo) - x) <= 1e-14 * abs(x)
 
 
 def test_op_shape_key_rounds_sequence_lengths():
-    problem = launch.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, True)
+    problem = problem_mod.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, True)
     assert problem.shape_key("sm_90") == "sm_90|bfloat16|d128|g4|causal|sq1024|sk2048"
 
 
@@ -268,7 +270,7 @@ class _RecordingLauncher:
     def candidates(self, name):
         return configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)
 
-    kernel = launch._Launcher.kernel
+    tuned = launch._Launcher.tuned
 
     def launch(self, launch):
         if launch.reset is not None:
@@ -291,7 +293,7 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
     q, k, v = _cpu_inputs(q_shape=(batch, 4, 40, 64), kv_shape=(batch, 2, 24, 64))
-    problem = launch.AttentionProblem(batch, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, True)
+    problem = problem_mod.AttentionProblem(batch, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, True)
     out, lse = launch.forward(q, k, v, problem, with_lse=True)
     inference_out, _ = launch.forward(q, k, v, problem, with_lse=False)
     d_out = torch.randn_like(q)
@@ -305,7 +307,10 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
         parameters = list(inspect.signature(kernel._pyfunc).parameters)
         assert len(args) == len(parameters), name
         values = values_of[name] = dict(zip(parameters, args, strict=True))
-        expected = arrays | ({"Out": inference_out} if name == configs.FORWARD else {})
+        expected = arrays
+        if name == configs.FORWARD:  # the inference forward writes no LSE: its Lse is a placeholder
+            expected = {key: value for key, value in arrays.items() if key != "Lse"} | {"Out": inference_out}
+            assert values["write_lse"] is False and values["Lse"].data_ptr() != lse.data_ptr()
         for parameter, value in values.items():
             if parameter in expected:
                 assert value.data_ptr() == expected[parameter].data_ptr(), f"{name}: {parameter}"
@@ -325,12 +330,12 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
 
 def test_op_index_ranges_refuse_what_int32_positions_cannot_hold():
     """The largest sizes the kernels' int32 position arithmetic holds pass, one more is refused."""
-    launch._check_index_ranges(1, 2**28, 2**28)
-    launch._check_index_ranges(7, 2**28, 2**28 // 7 - 2**28 // 7 % 2)
+    problem_mod._check_index_ranges(1, 2**28, 2**28)
+    problem_mod._check_index_ranges(7, 2**28, 2**28 // 7 - 2**28 // 7 % 2)
     with pytest.raises(ValueError, match="seqlen_q \\+ seqlen_k is 536870913"):
-        launch._check_index_ranges(1, 2**28, 2**28 + 1)
+        problem_mod._check_index_ranges(1, 2**28, 2**28 + 1)
     with pytest.raises(ValueError, match="heads \\* \\(seqlen_q \\+ seqlen_k\\)"):
-        launch._check_index_ranges(65535, 2**15, 2**15)
+        problem_mod._check_index_ranges(65535, 2**15, 2**15)
 
 
 @pytest.mark.parametrize(
@@ -392,7 +397,7 @@ class _MisalignedView:
 def test_op_allocations_checked_for_int64_indexing(sizes, bias_rows, wide):
     bias_size = 0 if bias_rows is None else 4
     mode = score_mods.BIAS_ONE_ROW if bias_rows == 1 else score_mods.BIAS_PER_ROW
-    assert launch._allocations_need_int64(*sizes, 2, bias_size, mode) is wide
+    assert problem_mod._allocations_need_int64(*sizes, 2, bias_size, mode) is wide
 
 
 def test_op_wide_problems_launch_int64_indexed_twins(monkeypatch):
@@ -401,11 +406,9 @@ def test_op_wide_problems_launch_int64_indexed_twins(monkeypatch):
     themselves. A d_out with such a stride widens the backward alone."""
     import cuda.tile as ct
 
-    from tilegym.ops.attention import kernels
-
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     q, k, v = _cpu_inputs(q_shape=(2, 4, 40, 64), kv_shape=(2, 2, 24, 64))
-    narrow = launch.AttentionProblem(2, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, True)
+    narrow = problem_mod.AttentionProblem(2, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, True)
     for problem, wide in ((narrow, False), (dataclasses.replace(narrow, wide_index=True), True)):
         _RecordingLauncher.launches = []
         out, lse = launch.forward(q, k, v, problem, with_lse=True)
@@ -415,7 +418,7 @@ def test_op_wide_problems_launch_int64_indexed_twins(monkeypatch):
             parameters = kernel._pyfunc.__code__.co_varnames[: kernel._pyfunc.__code__.co_argcount]
             arrays = [parameter for parameter in ("Q", "Out", "dOut", "Lse", "LseBase2") if parameter in parameters]
             assert arrays and all((annotations.get(a) == ct.IndexedWithInt64) is wide for a in arrays), name
-            assert annotations["block_m"] == kernels.ConstInt, name
+            assert annotations["block_m"] == ct.Constant[int], name
         assert problem.shape_key("sm_90").endswith("|int64-index") is wide
     _RecordingLauncher.launches = []
     d_out = torch.empty_strided(q.shape, (2**31, 40 * 64, 64, 1), dtype=q.dtype, device="meta")
@@ -430,7 +433,7 @@ def _recorded_backward(monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, 
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
     q, k, v = _cpu_inputs(q_shape=(batch, q_heads, seqlen, head_dim), kv_shape=(batch, 2, seqlen, head_dim))
-    problem = launch.AttentionProblem(batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal)
+    problem = problem_mod.AttentionProblem(batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal)
     out, lse = torch.randn_like(q), torch.randn(batch, q_heads, seqlen)
     grads = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem)
     return [name for name, *_ in _RecordingLauncher.launches], _RecordingLauncher.launches, grads
@@ -466,7 +469,7 @@ def test_op_fused_backward_arguments(monkeypatch, q_heads):
     assert grid == (1, q_heads if grouped else 2, 3)
 
 
-MIN_FUSED = configs.FUSED_BACKWARD_MIN_SEQLEN_K
+MIN_FUSED = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K
 
 
 @pytest.mark.parametrize(
@@ -494,7 +497,7 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
 def test_op_backward_choice_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("TILEGYM_BACKWARD", "fast")
     with pytest.raises(ValueError, match="TILEGYM_BACKWARD"):
-        launch.backward_choice()
+        dispatch.backward_choice()
 
 
 def _layout(value):
@@ -514,18 +517,18 @@ def test_op_backward_compiled_ahead_as_launched(monkeypatch, choice, q_heads, bi
     kernels and grids, arguments of the same dtypes, shapes, strides and constants."""
     monkeypatch.setenv("TILEGYM_BACKWARD", choice)
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
-    monkeypatch.setattr(launch, "_compiled_ahead", set())
+    monkeypatch.setattr(launch, "_compiled_ahead", collections.OrderedDict())
     _RecordingLauncher.launches, _RecordingLauncher.compiled_ahead = [], []
     batch, seqlen_q, seqlen_k = 3, 40, 24
     # [B, S, H, D] views, as a model hands them over.
     q = torch.randn(batch, seqlen_q, q_heads, 64, dtype=torch.bfloat16).transpose(1, 2)
     k, v = (torch.randn(batch, seqlen_k, 2, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
-    mods, tensors = launch.PLAIN, launch.NO_TENSORS
+    mods, tensors = score_mods.PLAIN, score_mods.NO_TENSORS
     if bias_grad:
         bias = torch.randn(q_heads, seqlen_q, seqlen_k, dtype=torch.bfloat16)
         mode, kernel_bias = score_mods.check_bias(bias, q, seqlen_k, q_heads)
         mods, tensors = ScoreMods(bias_mode=mode, bias_shape=tuple(bias.shape)), score_mods.ModTensors(kernel_bias)
-    problem = launch.AttentionProblem(batch, q_heads, 2, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.125, True, mods)
+    problem = problem_mod.AttentionProblem(batch, q_heads, 2, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.125, True, mods)
     for _ in range(2):
         launch.compile_backward_ahead(q, k, v, problem, tensors, bias_grad)
     out, lse = torch.randn(batch, q_heads, seqlen_q, 64, dtype=torch.bfloat16), torch.randn(batch, q_heads, seqlen_q)
@@ -546,18 +549,18 @@ def test_op_backward_not_compiled_ahead_without_memory_for_stand_ins(monkeypatch
         raise torch.cuda.OutOfMemoryError("no memory for stand-ins")
 
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
-    monkeypatch.setattr(launch, "_compiled_ahead", set())
+    monkeypatch.setattr(launch, "_compiled_ahead", collections.OrderedDict())
     monkeypatch.setattr(launch, "_gradients", out_of_memory)
     _RecordingLauncher.compiled_ahead = []
     q, k, v = _cpu_inputs()
-    problem = launch.AttentionProblem(1, 4, 2, 16, 16, 64, torch.bfloat16, 0.125, True)
+    problem = problem_mod.AttentionProblem(1, 4, 2, 16, 16, 64, torch.bfloat16, 0.125, True)
     launch.compile_backward_ahead(q, k, v, problem)
     assert _RecordingLauncher.compiled_ahead == []
 
 
 # ---- forward with a fixed row max -------------------------------------------------------------
 
-MIN_FIXED_MAX = configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
+MIN_FIXED_MAX = dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
 
 
 @pytest.mark.parametrize(
@@ -588,8 +591,8 @@ def test_op_forward_fixed_max_choice(monkeypatch, head_dim, seqlen_q, seqlen_k, 
     _RecordingLauncher.launches = []
     q, k, v = _cpu_inputs(q_shape=(1, 2, seqlen_q, head_dim), kv_shape=(1, 2, seqlen_k, head_dim), dtype=dtype)
     wide = mods == "wide"
-    mods = launch.PLAIN if wide or mods is None else mods
-    problem = launch.AttentionProblem(1, 2, 2, seqlen_q, seqlen_k, head_dim, dtype, 0.1, causal, mods, wide)
+    mods = score_mods.PLAIN if wide or mods is None else mods
+    problem = problem_mod.AttentionProblem(1, 2, 2, seqlen_q, seqlen_k, head_dim, dtype, 0.1, causal, mods, wide)
     launch.forward(q, k, v, problem, with_lse=True)
     launch.forward(q, k, v, problem, with_lse=False)
     names = [name for name, *_ in _RecordingLauncher.launches]
@@ -606,14 +609,14 @@ def test_op_fixed_max_thresholds_cover_their_tables():
     """Every head-dim tile with a fixed-max forward table has a key length to start from."""
     for arch in configs.ARCHS:
         for kernel in (configs.FORWARD_FIXED_MAX, configs.FORWARD_LSE_FIXED_MAX):
-            assert set(configs.TABLES[arch][kernel]) <= set(configs.FIXED_MAX_FORWARD_MIN_MEAN_KEYS), (arch, kernel)
+            assert set(configs.TABLES[arch][kernel]) <= set(dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS), (arch, kernel)
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 9), (7, 7), (5, 12), (12, 5), (300, 4099), (4099, 4099)])
 def test_op_mean_keys_per_query_counts_the_causal_mask(seqlen_q, seqlen_k):
     """The mean of each row's visible keys under the reference's causal mask."""
-    problem = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, True)
+    problem = problem_mod.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, True)
     visible = causal_mask(seqlen_q, seqlen_k).sum().item()
-    assert launch.mean_keys_per_query(problem) == pytest.approx(visible / seqlen_q, rel=1e-12)
-    full = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, False)
-    assert launch.mean_keys_per_query(full) == seqlen_k
+    assert dispatch.mean_keys_per_query(problem) == pytest.approx(visible / seqlen_q, rel=1e-12)
+    full = problem_mod.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, False)
+    assert dispatch.mean_keys_per_query(full) == seqlen_k

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha_with_backward
-from tilegym.ops.attention import launch
+from tilegym.ops.attention import problem as problem_mod
 
 pytestmark = requires_cuda
 
@@ -79,7 +79,7 @@ def test_op_strides_past_int32_use_wide_indexing():
     it): the int64-indexed kernels run, forward, LSE and backward."""
     q = torch.randn((1, 16, 1048653, 128), dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn((1, 16, 200, 128), dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    problem, _ = launch.check_inputs(q, k, v, None, False)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, False)
     assert problem.wide_index
     d_out = torch.randn_like(q)
     with torch.no_grad():
@@ -109,7 +109,7 @@ def test_op_more_than_2_31_elements_causal_training():
     shape = (4, 32, 131072, 128)
     q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     assert q.numel() > HUGE
-    problem, _ = launch.check_inputs(q, k, v, None, True)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, True)
     assert not problem.wide_index
     d_out = torch.randn_like(q)
     out, dq, dk, dv = _run(q, k, v, d_out, is_causal=True)
@@ -138,7 +138,7 @@ def test_op_misaligned_tensors(seqlen):
     q = storage[1:].view(shape)
     assert q.data_ptr() % 16
     k, v = (torch.randn((4, 32, 512, 128), dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    problem, _ = launch.check_inputs(q, k, v, None, False)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, False)
     assert problem.wide_index is (q.numel() > HUGE)
     with torch.no_grad():
         out, _ = fmha_forward_with_lse(q, k, v, is_causal=False)

@@ -14,6 +14,7 @@ from tests.ops.attention_cases import Case, assert_close_to_reference, make_inpu
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import launch
+from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_reference
 
 pytestmark = requires_cuda
@@ -119,7 +120,7 @@ def check_variant(case: Case, dtype, causal: bool, kwargs: dict):
     base_dtype = torch.float64 if dtype == torch.float64 else dtype
     base_out, _, base_grads = _reference_run(q, k, v, d_out, causal, kwargs, base_dtype)
 
-    problem, mod_tensors = launch.check_inputs(q, k, v, None, causal, **kwargs)
+    problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
     out = torch.full_like(q, math.nan)
     lse = torch.full(
         q.shape[:3], math.nan, device=q.device, dtype=ref_lse.dtype if dtype == torch.float64 else torch.float32

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from tests.ops.test_attention_cpu import _RecordingLauncher
 from tilegym.ops.attention import configs, launch, score_mods
+from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_reference, causal_mask, window_mask
 from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW, ScoreMods
 
@@ -64,11 +65,12 @@ def test_op_window_sides_past_the_sequences_are_unbounded(window, causal, seqlen
 @pytest.mark.parametrize("window", [(_HUGE, 0), (0, _HUGE), (_HUGE, _HUGE), (_HUGE - 5, 3), (3, _HUGE - 5)])
 def test_op_window_kernel_sums_fit_int32(window, seqlen_q, seqlen_k):
     """Every sum the kernels form from a window side and a position stays within int32: the
-    values _ModArgs hands over at the largest accepted sequences, with the extreme sides."""
+    values the launcher hands over at the largest accepted sequences, with the extreme sides."""
     checked, _ = score_mods.check_window(window, False, seqlen_q, seqlen_k)
-    problem = launch.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.float16, 0.1, False,
+    problem = problem_mod.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.float16, 0.1, False,
                                       ScoreMods(window=checked))  # fmt: skip
-    left, right = launch._ModArgs(problem, score_mods.NO_TENSORS, torch.empty(1)).values[-2:]
+    values = launch._modifier_arguments(problem, score_mods.NO_TENSORS, torch.empty(1))
+    left, right = values["window_left"], values["window_right"]
     block = configs.MAX_BLOCK
     last_row, last_col, shift = seqlen_q + block, seqlen_k + block, abs(seqlen_k - seqlen_q)
     extremes = (last_row + shift + right + block, last_col + shift + left + block, -(left + right + shift + block))
@@ -189,7 +191,7 @@ def test_op_bias_grad_reduced_to_bias_shape(shape):
 
 def test_op_shape_key_names_modifiers():
     mods = ScoreMods(bias_mode=BIAS_ONE_ROW, bias_shape=(8,), window=(4, 0), softcap=2.0, alibi=True)
-    problem = launch.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, False, mods)
+    problem = problem_mod.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, False, mods)
     assert problem.shape_key("sm_90").endswith("|bias-row|window|softcap|alibi")
 
 
@@ -205,7 +207,7 @@ def test_op_launch_arguments_with_modifiers(monkeypatch):
     slopes = torch.rand(batch, 4)
     mode, kernel_bias = score_mods.check_bias(bias, q, 24, 4)
     mods = ScoreMods(bias_mode=mode, bias_shape=tuple(bias.shape), window=(5, 0), softcap=3.0, alibi=True)
-    problem = launch.AttentionProblem(batch, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, False, mods)
+    problem = problem_mod.AttentionProblem(batch, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, False, mods)
     tensors = score_mods.ModTensors(kernel_bias, score_mods.check_alibi(slopes, q, 4))
     out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=tensors)
     *_, d_bias = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=True)

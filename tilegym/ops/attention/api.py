@@ -1,4 +1,4 @@
-"""The public attention functions: argument checks happen in launch.check_inputs, before any launch.
+"""The public attention functions: argument checks happen in problem.check_inputs, before any launch.
 
 Shapes: q ``[B, Hq, Sq, D]``; k, v ``[B, Hkv, Sk, D]`` with Hq a multiple of Hkv (GQA/MQA: query
 head h reads key/value head ``h // (Hq // Hkv)``); the output is shaped and typed like q. Any
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from tilegym.ops.attention import custom_ops, launch
 from tilegym.ops.attention.autograd import AttentionFunction
+from tilegym.ops.attention.problem import check_inputs
 
 __all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional"]
 
@@ -72,9 +73,7 @@ def tile_fmha(
     if torch.compiler.is_compiling():
         out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, False, False)
         return out
-    problem, mod_tensors = launch.check_inputs(
-        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
-    )
+    problem, mod_tensors = check_inputs(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes)
     out, _ = launch.forward(q, k, v, problem, with_lse=False, mod_tensors=mod_tensors)
     return out
 
@@ -99,9 +98,7 @@ def fmha_forward_with_lse(
     if torch.compiler.is_compiling():
         out, lse = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, False)
         return out, lse.to(torch.float32)
-    problem, mod_tensors = launch.check_inputs(
-        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
-    )
+    problem, mod_tensors = check_inputs(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes)
     out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
     return out, lse.to(torch.float32)
 
@@ -131,9 +128,7 @@ def tile_fmha_with_backward(
     if torch.compiler.is_compiling():
         out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, True)
         return out
-    problem, mod_tensors = launch.check_inputs(
-        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes
-    )
+    problem, mod_tensors = check_inputs(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes)
     if _needs_grad(q, k, v, attn_bias):
         # The backward's kernels compile in the background while the forward's kernel compiles.
         bias_grad = attn_bias is not None and attn_bias.requires_grad

@@ -3,6 +3,7 @@
 import torch
 
 from tilegym.ops.attention import launch
+from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ModTensors
 
 
@@ -14,7 +15,7 @@ class AttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, problem: launch.AttentionProblem, mod_tensors: ModTensors):
+    def forward(ctx, q, k, v, attn_bias, problem: AttentionProblem, mod_tensors: ModTensors):
         out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem

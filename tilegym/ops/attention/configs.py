@@ -12,23 +12,21 @@ take two to four times the registers and shared memory of fp16/bf16 tiles.
 from functools import cache
 
 from tilegym.autotune import TileConfig
+from tilegym.ops.attention.variants import (
+    BACKWARD_DKDV,
+    BACKWARD_DQ,
+    BACKWARD_FUSED,
+    BACKWARD_FUSED_GROUPED,
+    BACKWARD_PREPROCESS,
+    DEFAULT_VARIANTS,
+    FORWARD,
+    FORWARD_FIXED_MAX,
+    FORWARD_LSE,
+    FORWARD_LSE_FIXED_MAX,
+)
 
-FORWARD = "attention_forward"
-FORWARD_LSE = "attention_forward_lse"
-BACKWARD_PREPROCESS = "attention_backward_preprocess"
-BACKWARD_DKDV = "attention_backward_dkdv"
-BACKWARD_DQ = "attention_backward_dq"
-# The dK/dV kernel that also sums dQ (the fused backward), and its form for causal grouped-query
-# attention, a program per query head adding into fp32 dK/dV sums; not in KERNELS: they have
-# tables only where they were measured to win, and launch.py uses two kernels elsewhere.
-BACKWARD_FUSED = "attention_backward_fused"
-BACKWARD_FUSED_GROUPED = "attention_backward_fused_grouped"
-# The forward kernels with fixed_max on (plain attention, long sequences): likewise not in
-# KERNELS, tables only where they win, used from FIXED_MAX_FORWARD_MIN_MEAN_KEYS.
-FORWARD_FIXED_MAX = "attention_forward_fixed_max"
-FORWARD_LSE_FIXED_MAX = "attention_forward_lse_fixed_max"
-
-KERNELS = (FORWARD, FORWARD_LSE, BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ)
+# Tables are keyed by variant name (variants.py); DEFAULT_VARIANTS have one on every arch.
+KERNELS = DEFAULT_VARIANTS
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 HEAD_DIM_TILES = (32, 64, 128, 256)
@@ -70,30 +68,23 @@ _SM90_DQ = {
     128: [_c(128, 64, num_worker_warps=8), _c(64, 64, occupancy=2)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
-# The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one
-# from S=4096 on: at D=64 by 1-10% (perf-notes section 18), at D=128 by 3-16% once each
-# step's dQ share is summed during the next step (section 19); at S=2048 it wins without a
-# mask and ties with one, at S=1024 it loses causal (section 21). Used from
-# FUSED_BACKWARD_MIN_SEQLEN_K keys on, at the head dims that have a table.
+# The fused backward (dK/dV kernel summing dQ by TMA reductions): where it is used,
+# dispatch.FUSED_BACKWARD_MIN_SEQLEN_K says; only head dims with a table here take it.
 _SM90_FUSED = {
     64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
     128: [_c(64, 128, num_worker_warps=8)],
 }
-FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # Causal grouped-query attention: one program per KV head and key tile made too few programs
 # of too unequal lengths (GQA 8, D=128, S=4096: 284 TFLOPS against 375 with a program per
 # query head, section 20). 128x128 spills at D=64 in that form; 64x128 matched it there.
 _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
-# The forward with a fixed row max per query tile (kernels._forward_key_loops) saves a third
-# of the softmax's instructions, but its end-of-tile overflow check costs each program a
-# fixed time, and on two-CTA clusters far more (perf-notes sections 28 and 29): one CTA of two
-# warpgroups per SM (384 threads at 168 registers fill the register file; 64-row tiles at two
-# CTAs per SM lost 5-13%, section 34), and only where a query row attends to many keys on
-# average (half of a square causal length): from 2048 at D=128 and 4096 at D=64 (below, up to
-# 10% and 18% slower). At D=64, 256x64 tiles won without a mask (section 42) only while the
-# 128x128 kernel waited for each matmul alone; since section 43 128x128 wins everywhere.
+# The forward with a fixed row max per query tile (dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
+# says where): its end-of-tile overflow check costs each program a fixed time, and on two-CTA
+# clusters far more (perf-notes sections 28 and 29), so one CTA of two warpgroups per SM (384
+# threads at 168 registers fill the register file; 64-row tiles at two CTAs per SM lost 5-13%,
+# section 34). At D=64, 256x64 tiles won without a mask (section 42) only while the 128x128
+# kernel waited for each matmul alone; since section 43 128x128 wins everywhere.
 _SM90_FORWARD_FIXED_MAX = {d: [_c(128, 128, num_worker_warps=8)] for d in (64, 128)}
-FIXED_MAX_FORWARD_MIN_MEAN_KEYS = {64: 4096, 128: 2048}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
 _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}
@@ -206,18 +197,6 @@ WIDE_TABLE = {
     FORWARD_FIXED_MAX: {},
     FORWARD_LSE_FIXED_MAX: {},
 }
-
-
-def arch_family(compute_capability: tuple[int, int]) -> str:
-    """The table a GPU uses: its own arch, or the closest older one we have tables for."""
-    major, minor = compute_capability
-    if major >= 12:
-        return "sm_120"
-    if major >= 10:
-        return "sm_100"
-    if major == 9:
-        return "sm_90"
-    return "sm_80"
 
 
 # Tables that replace TABLES[arch][kernel] when any score modifier is on.

@@ -7,7 +7,7 @@ compiled training step keeps one graph (fullgraph=True holds). Eager calls keep 
 (AttentionFunction) and pay no operator dispatch.
 
 Operator arguments are tensors and plain values only, so each operator validates its own
-arguments (launch.check_inputs): at trace time in its fake implementation, with the same
+arguments (problem.check_inputs): at trace time in its fake implementation, with the same
 errors as eager calls, and again when it runs.
 """
 
@@ -15,12 +15,13 @@ import torch
 from torch import Tensor
 
 from tilegym.ops.attention import launch
+from tilegym.ops.attention.problem import check_inputs
 
 _NAMESPACE = "tilegym"
 
 
 def _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad):
-    return launch.check_inputs(
+    return check_inputs(
         q, k, v, scaling, is_causal, attn_bias, None if window_size is None else tuple(window_size), softcap,
         alibi_slopes, bias_grad=bias_grad,
     )  # fmt: skip

@@ -1,0 +1,70 @@
+"""Which kernels a call runs: the fused or the two-kernel backward, a fixed or a running row max
+in the forward. Each threshold sits beside the measurement that set it (perf-notes); a variant
+without a config table on the GPU's arch is never chosen."""
+
+import torch
+
+from tilegym import env
+from tilegym.ops.attention import configs
+from tilegym.ops.attention.problem import AttentionProblem
+from tilegym.ops.attention.score_mods import PLAIN
+from tilegym.ops.attention.variants import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED, FORWARD_FIXED_MAX
+
+# The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one from
+# 4096 keys on: at D=64 by 1-10% (perf-notes section 18), at D=128 by 3-16% once each step's dQ
+# share is summed during the next step (section 19); at 2048 keys it wins without a mask and
+# ties with one, at 1024 it loses causal (section 21).
+FUSED_BACKWARD_MIN_SEQLEN_K = 2048
+
+# The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
+# overflow check costs each program a fixed time (perf-notes sections 28 and 29): it wins only
+# where a query row attends to many keys on average (half of a square causal length), from
+# 2048 at D=128 and 4096 at D=64; below, it was up to 10% and 18% slower. Keyed by head-dim tile.
+FIXED_MAX_FORWARD_MIN_MEAN_KEYS = {64: 4096, 128: 2048}
+
+_BACKWARD_CHOICES = ("auto", "fused", "two-kernel")
+
+
+def backward_choice() -> str:
+    """TILEGYM_BACKWARD: auto (default), fused or two-kernel; anything else is a ValueError."""
+    return env.choice("TILEGYM_BACKWARD", _BACKWARD_CHOICES, "auto")
+
+
+def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> str | None:
+    """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
+
+    Fused only for plain attention where the arch has a fused table (candidates(name) is not
+    empty), never under torch.use_deterministic_algorithms (the order of the fp32 sums varies
+    between runs); "auto" also needs FUSED_BACKWARD_MIN_SEQLEN_K keys. Causal grouped-query
+    attention takes the grouped form: a program per query head (perf-notes section 20).
+    """
+    choice = backward_choice()
+    if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
+        return None
+    grouped = problem.causal and problem.query_group_size > 1
+    name = BACKWARD_FUSED_GROUPED if grouped else BACKWARD_FUSED
+    if problem.mods != PLAIN or bias_grad or not candidates(name):
+        return None
+    if choice == "fused" or problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K:
+        return name
+    return None
+
+
+def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
+    """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
+    plain attention with enough keys per query for it to win, where the arch has a table for it
+    (16-bit inputs; fp32 and fp64 keep the running max). Not with int64 indexing: that twin of
+    the fixed-max kernel compiles to a 1.7 MB cubin, where the running-max one is ordinary."""
+    if problem.mods != PLAIN or problem.wide_index or not candidates(FORWARD_FIXED_MAX):
+        return False
+    min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.head_dim)]
+    return mean_keys_per_query(problem) >= min_keys
+
+
+def mean_keys_per_query(problem: AttentionProblem) -> float:
+    """Keys a query row attends to, on average; causal rows are aligned at the bottom right, so
+    the last min(seqlen_q, seqlen_k) rows see seqlen_k - seen + 1 up to seqlen_k keys."""
+    if not problem.causal:
+        return problem.seqlen_k
+    seen = min(problem.seqlen_q, problem.seqlen_k)
+    return seen * (2 * problem.seqlen_k - seen + 1) / 2 / problem.seqlen_q

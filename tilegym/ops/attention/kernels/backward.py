@@ -1,0 +1,342 @@
+"""The backward kernels: the row statistics (preprocess), dK and dV per key tile (optionally
+with dQ summed in: the fused backward), and dQ per query tile (the two-kernel backward).
+
+The dK/dV kernel works key-major: its tiles are [block_n, block_m] (keys x queries), the
+transpose of the forward's, so that dK and dV accumulate as [block_n, block_d] rows.
+"""
+
+import cuda.tile as ct
+
+from tilegym.kernel_cache import CachedKernel
+from tilegym.ops.attention.kernels.modifiers import head_mods, pre_cap_gradient, scores, softcap_values
+from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
+from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
+from tilegym.ops.attention.kernels.state import DqTile, KeyState, KeyTile, RowStats, Scoring, Switches, Tiling
+from tilegym.ops.attention.kernels.tiles import (
+    NEG_INF,
+    POS_INF,
+    ConstBool,
+    ConstInt,
+    accumulator_dtype,
+    add_rows,
+    exp2,
+    load_row_stat,
+    load_rows,
+    log2e,
+    scale,
+    seqlens,
+    store_row_stat,
+    store_rows,
+)
+from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW
+
+
+@ct.function
+def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt):
+    """RowStats of one query tile, stored and returned as [block_m] tiles in fp32 (fp64 for
+    fp64 inputs), the accumulators' dtype.
+
+    The base-2 LSE is +inf for a row that saw no key (LSE -inf), which makes its
+    probabilities exp2(s - inf) = 0. Converting it here, once per row, keeps that select
+    and multiply out of every step of the dK/dV loop.
+    """
+    acc_dtype = accumulator_dtype(out.dtype)
+    delta = ct.sum(out.astype(acc_dtype) * d_out.astype(acc_dtype), axis=1)
+    store_row_stat(Delta, b, q_head, q_tile, delta, block_m)
+    lse = load_row_stat(Lse, b, q_head, q_tile, block_m)
+    lse_base2 = ct.where(lse == NEG_INF, POS_INF, lse * log2e(lse.dtype))
+    store_row_stat(LseBase2, b, q_head, q_tile, lse_base2, block_m)
+    return RowStats(delta, lse_base2)
+
+
+@CachedKernel
+def attention_backward_preprocess_kernel(
+    Out, dOut, Lse, Delta, LseBase2, block_m: ConstInt, block_d: ConstInt
+):  # fmt: skip
+    """The row statistics (_row_stats) for the fused backward, whose dK/dV programs each need
+    those of every query tile. The two-kernel backward's dQ kernel writes them instead."""
+    q_tile = ct.bid(0)
+    q_head = ct.bid(1)
+    b = ct.bid(2)
+    out = load_rows(Out, b, q_head, q_tile, block_m, block_d)
+    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_d)
+    _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m)
+
+
+@ct.function
+def _holds_dq_share(block_d: ConstInt):
+    """Whether the fused backward holds a step's dQ share until the next step, which sums it
+    after its first matmul, so the reduction overlaps that step's matmuls instead of stalling
+    between steps. Measured on sm_90 (perf-notes section 19): 9-15% faster at D=128 from 4096
+    keys (even at 16384 keys without a mask); at D=64 (128x128 tiles) up to 6% slower."""
+    return block_d > 64
+
+
+@ct.function
+def _dkdv_step(tile, q_tile, state, masked: ConstBool):
+    """Adds one query tile's contribution to a key tile's dK and dV (KeyTile, KeyState).
+
+    With bias_grad, also writes the tile's dBias (BIAS_PER_ROW) or adds its column sums to
+    d_bias_row (BIAS_ONE_ROW). With sum_dq, also adds this key tile's share of dQ (scaled)
+    into the fp32 DQSum, a whole tile at a time (a TMA reduction on sm_90); see
+    _holds_dq_share for the pending share.
+    """
+    scoring = tile.scoring
+    tiling = scoring.tiling
+    block_m, block_n, block_d = tiling.block_m, tiling.block_n, tiling.block_d
+    b, q_head, k = tile.b, tile.q_head, tile.k
+    d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
+    acc_dtype = accumulator_dtype(k.dtype)
+    q = load_rows(tile.Q, b, q_head, q_tile, block_m, block_d)  # [block_m, block_d]
+    d_out = load_rows(tile.dOut, b, q_head, q_tile, block_m, block_d)  # [block_m, block_d]
+    lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+    delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+
+    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
+    raw_t = ct.mma(k, ct.transpose(q), ct.zeros((block_n, block_m), acc_dtype))  # [block_n, block_m]
+    if tile.sum_dq:
+        if _holds_dq_share(block_d):
+            # The previous step's share, summed while this step's matmuls run.
+            add_rows(tile.DQSum, b, q_head, state.pending_tile, pending_dq, block_m, block_d)
+    scores_t, capped_tanh_t = scores(raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.dtype, scoring, True)
+    if block_d > 64 and not tile.sum_dq:
+        # The D=128 dK/dV kernel runs two CTAs per SM, where the flushed exp2's schedule spills
+        # and gained nothing (perf-notes section 14); the fused kernel, at one CTA per SM,
+        # gains 1-3% from it (section 25).
+        probs_t = ct.exp2(scores_t - lse)  # [block_n, block_m]
+    else:
+        probs_t = exp2(scores_t - lse)
+    if masked:
+        probs_t = ct.where(visible(rows, tile.cols, scoring), probs_t, 0.0)
+    # See the second load of Q below; masked steps (few) keep one load: with two, the causal
+    # kernel spilled a register.
+    reload_q = tile.sum_dq and not masked
+    if not reload_q:
+        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)  # [block_n, block_d]
+    d_probs_t = ct.mma(tile.v, ct.transpose(d_out), ct.zeros((block_n, block_m), acc_dtype))  # [block_n, block_m]
+    d_scores_t = probs_t * (d_probs_t - delta)  # [block_n, block_m]
+    if tile.bias_grad == BIAS_PER_ROW:
+        d_bias = ct.transpose(d_scores_t).reshape((1, 1, block_m, block_n)).astype(tile.DBias.dtype)
+        ct.store(tile.DBias, index=(b, q_head, q_tile, tile.kv_tile), tile=d_bias)
+    elif tile.bias_grad == BIAS_ONE_ROW:
+        d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)  # [block_n, 1]
+    d_scores_t = pre_cap_gradient(d_scores_t, capped_tanh_t, scoring.switches.capped).astype(q.dtype)
+    if reload_q:
+        # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
+        # stays busy until dK, so the next step's Q could only be loaded while this step
+        # computes dQ, and arrived late (at one CTA per SM nothing covers the wait). Loaded
+        # again for dK, the first buffer is free after K Q^T. dK before dV in the source
+        # keeps the two matmuls issued back to back (perf-notes section 26).
+        d_key = ct.mma(d_scores_t, load_rows(tile.Q, b, q_head, q_tile, block_m, block_d), d_key)
+        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
+    else:
+        d_key = ct.mma(d_scores_t, q, d_key)  # [block_n, block_d]
+    if tile.sum_dq:
+        # [block_m, block_d]
+        d_query = ct.mma(ct.transpose(d_scores_t), k, ct.zeros((block_m, block_d), acc_dtype)) * tile.dq_scale
+        if _holds_dq_share(block_d):
+            pending_dq = d_query
+        else:
+            add_rows(tile.DQSum, b, q_head, q_tile, d_query, block_m, block_d)
+    return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
+
+
+@ct.function
+def _dkdv_loop(first, last, state, tile, masked: ConstBool):
+    """state plus the contributions of query tiles [first, last)."""
+    for q_tile in range(first, last):
+        state = _dkdv_step(tile, q_tile, state, masked)
+    return state
+
+
+@CachedKernel
+def attention_backward_dkdv_kernel(
+    Q,
+    K,
+    V,
+    dOut,
+    LseBase2,
+    Delta,
+    dK,
+    dV,
+    DQSum,
+    softmax_scale: float,
+    softmax_scale_lo: float,
+    qk_scale_log2: float,
+    qk_scale_log2_lo: float,
+    query_group_size: int,
+    Bias,
+    Slopes,
+    DBias,
+    softcap_in: float,
+    softcap_in_lo: float,
+    softcap: float,
+    softcap_lo: float,
+    window_left: int,
+    window_right: int,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    block_d: ConstInt,
+    causal: ConstBool,
+    windowed: ConstBool,
+    capped: ConstBool,
+    bias_mode: ConstInt,
+    alibi: ConstBool,
+    bias_grad: ConstInt,
+    sum_dq: ConstBool,
+    sum_dkdv: ConstBool,
+):
+    """dK and dV (and dBias, with bias_grad) of one key tile of one KV head.
+
+    Loops over every query head of the GQA group and every query tile that sees the key
+    tile, so the group's sum happens in registers: no atomics, deterministic.
+    dBias goes to a [B, Hq, 1 or Sq, Sk] buffer that the host sums over broadcast dims.
+    With sum_dq (the fused backward), the kernel also adds each key tile's share of dQ
+    into DQSum ([B, Hq, Sq padded to block_m, D] fp32, zeroed), which makes the dQ kernel
+    unnecessary: 5 matmul-equivalents instead of 7, but the order of dQ's sums varies from
+    run to run. Without it, DQSum is an unused placeholder.
+    With sum_dkdv (the fused backward of grouped-query attention), a program takes one query
+    head (grid axis 1 counts query heads), and dK, dV are zeroed fp32 sums ([B, Hkv, Sk
+    padded to block_n, D]) that the programs of a group add into: a group's heads run side
+    by side instead of one after another in one program, which balances the GPU's load when
+    few KV heads make few programs.
+    """
+    if causal and sum_dq:
+        # Causal key tiles near the start of the sequence are seen by the most query tiles.
+        kv_tile, head, b = heaviest_first()
+    else:
+        kv_tile, head, b = ct.bid(0), ct.bid(1), ct.bid(2)
+    if sum_dkdv:
+        first_q_head = head
+        kv_head = first_q_head // query_group_size
+        members = 1
+    else:
+        kv_head = head
+        first_q_head = kv_head * query_group_size
+        members = query_group_size
+    lengths = seqlens(Q, K)
+    acc_dtype = accumulator_dtype(K.dtype)
+    qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
+    softmax_scale = scale(softmax_scale, softmax_scale_lo, acc_dtype)
+    softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
+    switches = Switches(windowed, capped, bias_mode, alibi)
+    tiling = Tiling(block_m, block_n, block_d)
+
+    k = load_rows(K, b, kv_head, kv_tile, block_n, block_d)  # [block_n, block_d]
+    v = load_rows(V, b, kv_head, kv_tile, block_n, block_d)  # [block_n, block_d]
+    cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
+    d_key = ct.zeros((block_n, block_d), acc_dtype)
+    d_value = ct.zeros((block_n, block_d), acc_dtype)
+    holds_dq = sum_dq and _holds_dq_share(block_d)
+
+    for group_member in range(members):
+        q_head = first_q_head + group_member
+        mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
+        scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal)
+        # A held dQ share starts as zeros "for" query tile 0, which always exists: the first
+        # step adds them there, so no step needs a branch (one spare reduction per head).
+        pending_dq = ct.zeros((block_m, block_d) if holds_dq else (1, 1), acc_dtype)
+        state = KeyState(d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
+        tile = KeyTile(
+            k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols, scoring,
+            bias_grad, sum_dq,
+        )  # fmt: skip
+        state = over_segments(_dkdv_loop, query_segments(kv_tile, scoring), state, tile)
+        d_key, d_value = state.d_key, state.d_value
+        if holds_dq:
+            add_rows(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, block_d)
+        if bias_grad == BIAS_ONE_ROW:
+            d_bias = state.d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)
+            ct.store(DBias, index=(b, q_head, 0, kv_tile), tile=d_bias)
+
+    if sum_dkdv:
+        add_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
+        add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
+    else:
+        store_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
+        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
+
+
+@ct.function
+def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
+    """d_query plus one key tile's contribution (DqTile)."""
+    scoring = tile.scoring
+    tiling = scoring.tiling
+    acc_dtype = accumulator_dtype(tile.q.dtype)
+    k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+    raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+    cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
+    step_scores, capped_tanh = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.dtype, scoring, False)
+    probs = exp2(step_scores - tile.lse)
+    if masked:
+        probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
+    d_probs = ct.mma(tile.d_out, ct.transpose(v), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+    d_scores = pre_cap_gradient(probs * (d_probs - tile.delta), capped_tanh, scoring.switches.capped)
+    return ct.mma(d_scores.astype(k.dtype), k, d_query)
+
+
+@ct.function
+def _dq_loop(first, last, d_query, tile, masked: ConstBool):
+    """d_query plus the contributions of key tiles [first, last)."""
+    for kv_tile in range(first, last):
+        d_query = _dq_step(tile, kv_tile, d_query, masked)
+    return d_query
+
+
+@CachedKernel
+def attention_backward_dq_kernel(
+    Q,
+    K,
+    V,
+    dOut,
+    Out,
+    Lse,
+    LseBase2,
+    Delta,
+    dQ,
+    softmax_scale: float,
+    softmax_scale_lo: float,
+    qk_scale_log2: float,
+    qk_scale_log2_lo: float,
+    query_group_size: int,
+    Bias,
+    Slopes,
+    softcap_in: float,
+    softcap_in_lo: float,
+    softcap: float,
+    softcap_lo: float,
+    window_left: int,
+    window_right: int,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    block_d: ConstInt,
+    causal: ConstBool,
+    windowed: ConstBool,
+    capped: ConstBool,
+    bias_mode: ConstInt,
+    alibi: ConstBool,
+):
+    """dQ of one query tile, looping over the key tiles it sees; first the tile's row statistics
+    (_row_stats), which the dK/dV kernel launched after it reads: no preprocess kernel, and Out
+    costs a load of one tile per program instead of a pass of its own over Out and dOut."""
+    q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
+    lengths = seqlens(Q, K)
+    acc_dtype = accumulator_dtype(Q.dtype)
+    qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
+    softmax_scale = scale(softmax_scale, softmax_scale_lo, acc_dtype)
+    switches = Switches(windowed, capped, bias_mode, alibi)
+    softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
+    mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d), causal)
+
+    q = load_rows(Q, b, q_head, q_tile, block_m, block_d)
+    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_d)
+    out = load_rows(Out, b, q_head, q_tile, block_m, block_d)
+    stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m)
+    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
+    d_query = ct.zeros((block_m, block_d), acc_dtype)
+
+    tile = DqTile(q, d_out, stats.lse_base2[:, None], stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
+    d_query = over_segments(_dq_loop, key_segments(q_tile, scoring), d_query, tile)
+    store_rows(dQ, b, q_head, q_tile, d_query * softmax_scale, block_m, block_d)

@@ -1,0 +1,220 @@
+"""The forward kernel: out = softmax(scores) v per query tile, online over key tiles, and with
+write_lse the row LSE the backward needs.
+
+Scores are kept in base 2 (scaled by softmax_scale * log2(e)) so exp2 does the softmax; plain
+attention keeps raw products instead and applies the scale inside exp2's argument.
+"""
+
+import cuda.tile as ct
+
+from tilegym.kernel_cache import CachedKernel
+from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, scores, softcap_values
+from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
+from tilegym.ops.attention.kernels.scheduling import query_program
+from tilegym.ops.attention.kernels.state import ForwardState, ForwardTile, Scoring, Switches, Tiling
+from tilegym.ops.attention.kernels.tiles import (
+    NEG_INF,
+    POS_INF,
+    ConstBool,
+    ConstInt,
+    accumulator_dtype,
+    exp2,
+    ln2,
+    load_rows,
+    scale,
+    seqlens,
+    store_row_stat,
+    store_rows,
+)
+from tilegym.ops.attention.score_mods import BIAS_NONE
+
+
+@ct.function
+def _forward_step(tile, kv_tile, state, masked: ConstBool):
+    """One online-softmax update of a query tile (ForwardTile) with one key/value tile."""
+    scoring = tile.scoring
+    tiling = scoring.tiling
+    acc_dtype = accumulator_dtype(tile.q.dtype)
+    k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+    raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+    cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
+    raw_units = keeps_raw_scores(scoring.switches)
+    if raw_units:
+        step_scores = raw
+    else:
+        step_scores, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.dtype, scoring, False)
+    if masked:
+        step_scores = ct.where(visible(tile.rows, cols, scoring), step_scores, NEG_INF)
+    row_max = state.row_max
+    new_max = ct.maximum(row_max, ct.max(step_scores, axis=1, keepdims=True))
+    if masked or scoring.switches.bias_mode != BIAS_NONE:
+        # A row that has seen no key yet (or only -inf biases) keeps max -inf; subtract 0
+        # instead to avoid inf - inf.
+        new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
+    else:
+        new_max_safe = new_max
+    qk_scale_log2 = scoring.qk_scale_log2
+    if raw_units:
+        # The scale enters exp2's argument as one fused multiply-add per score.
+        probs = exp2(step_scores * qk_scale_log2 - new_max_safe * qk_scale_log2)
+        rescale = exp2((row_max - new_max_safe) * qk_scale_log2)
+    else:
+        probs = exp2(step_scores - new_max_safe)
+        rescale = exp2(row_max - new_max_safe)
+    row_sum = state.row_sum * rescale + ct.sum(probs, axis=1, keepdims=True)
+    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+    acc = ct.mma(probs.astype(v.dtype), v, state.acc * rescale)
+    return ForwardState(new_max, row_sum, acc)
+
+
+@ct.function
+def _forward_loop(first, last, state, tile, masked: ConstBool):
+    """Online-softmax updates of a query tile with key tiles [first, last)."""
+    for kv_tile in range(first, last):
+        state = _forward_step(tile, kv_tile, state, masked)
+    return state
+
+
+@ct.function
+def _first_step_fixed_max(first, state, tile):
+    """The first unmasked step of a fixed-max forward, if there is one (first is 0 or 1): its
+    scores' row max (raw units) becomes the tile's fixed max, and its sums start from zero.
+
+    A running-max step from the empty state gives the same values but rescales its zero sums;
+    with that step here, ptxas found too few registers to pipeline the D=64 kernel's matmuls
+    and waited for each one alone (perf-notes section 43).
+    """
+    tiling = tile.scoring.tiling
+    qk_scale_log2 = tile.scoring.qk_scale_log2
+    acc_dtype = accumulator_dtype(tile.q.dtype)
+    for kv_tile in range(0, first):
+        k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+        raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+        row_max = ct.max(raw, axis=1, keepdims=True)
+        probs = exp2(raw * qk_scale_log2 - row_max * qk_scale_log2)
+        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+        acc = ct.mma(probs.astype(v.dtype), v, ct.zeros((tiling.block_m, tiling.block_d), acc_dtype))
+        state = ForwardState(row_max, ct.sum(probs, axis=1, keepdims=True), acc)
+    return state
+
+
+@ct.function
+def _loop_fixed_max(first, last, state, tile):
+    """Unmasked steps of plain attention against a fixed row max: no running max, no rescale.
+
+    state's row max (raw units) is that of the first key tile. Later scores may exceed it, so
+    probabilities may exceed 1; fp32 sums and P hold them with the same relative precision
+    until something overflows (bf16 P shares fp32's range, fp16 P ends at 65504, 2^16 above
+    the first tile's max), which _overflowed tells after the loops.
+    """
+    tiling = tile.scoring.tiling
+    qk_scale_log2 = tile.scoring.qk_scale_log2
+    row_max, row_sum, acc = state.row_max, state.row_sum, state.acc
+    max_log2 = row_max * qk_scale_log2
+    for kv_tile in range(first, last):
+        k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+        raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc.dtype))
+        probs = exp2(raw * qk_scale_log2 - max_log2)
+        row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
+        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+        acc = ct.mma(probs.astype(v.dtype), v, acc)
+    return ForwardState(row_max, row_sum, acc)
+
+
+@ct.function
+def _overflowed(state):
+    """Whether a row sum or an accumulator element of a query tile is inf or NaN.
+
+    Each row folds its own elements first (within a warp), so only one value per row crosses
+    warps: summing the whole tile's flags at once cost nine CTA barriers instead of two.
+    A finite |acc| sum that overflows only asks for a recompute that was not needed.
+    """
+    row_total = state.row_sum + ct.sum(ct.abs(state.acc), axis=1, keepdims=True)
+    return ct.sum(ct.where(row_total < POS_INF, 0, 1)) > 0
+
+
+@ct.function
+def _key_loops(segments, state, tile, fixed_max: ConstBool):
+    """The updates of a query tile with every key tile it sees (segments), or with fixed_max
+    (plain attention, fp32 accumulators, no window) the unmasked steps after the first against
+    its row max; should anything overflow, the tile is computed again with a running max. The
+    check costs every program a cross-warp reduction."""
+    if fixed_max:
+        first = min(segments.full_end, 1)
+        fast = _first_step_fixed_max(first, state, tile)
+        fast = _loop_fixed_max(first, segments.full_end, fast, tile)
+        fast = _forward_loop(segments.full_end, segments.end, fast, tile, True)
+        if _overflowed(fast):
+            state = over_segments(_forward_loop, segments, state, tile)
+        else:
+            state = fast
+    else:
+        state = over_segments(_forward_loop, segments, state, tile)
+    return state
+
+
+@CachedKernel
+def attention_forward_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    qk_scale_log2: float,
+    qk_scale_log2_lo: float,
+    query_group_size: int,
+    Bias,
+    Slopes,
+    softcap_in: float,
+    softcap_in_lo: float,
+    softcap: float,
+    softcap_lo: float,
+    window_left: int,
+    window_right: int,
+    block_m: ConstInt,
+    block_n: ConstInt,
+    block_d: ConstInt,
+    causal: ConstBool,
+    windowed: ConstBool,
+    capped: ConstBool,
+    bias_mode: ConstInt,
+    alibi: ConstBool,
+    write_lse: ConstBool,
+    fixed_max: ConstBool,
+):
+    """One query tile of out = softmax(scores) v; with write_lse also lse = log(sum_j
+    exp(score_ij)) (natural log), the backward's statistic. Without it, Lse is not touched (a
+    placeholder). fixed_max (plain attention, fp32 accumulators only): see _key_loops.
+    Layout: q, out [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; lse [B, Hq, Sq].
+    """
+    q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
+    lengths = seqlens(Q, K)
+    acc_dtype = accumulator_dtype(Q.dtype)
+    qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
+    switches = Switches(windowed, capped, bias_mode, alibi)
+    softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
+    mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d), causal)
+
+    q = load_rows(Q, b, q_head, q_tile, block_m, block_d)
+    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
+    state = ForwardState(
+        ct.full((block_m, 1), NEG_INF, acc_dtype),
+        ct.zeros((block_m, 1), acc_dtype),
+        ct.zeros((block_m, block_d), acc_dtype),
+    )
+    tile = ForwardTile(q, K, V, b, kv_head, q_tile, rows, scoring)
+    state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
+
+    # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
+    # One reciprocal per row, not a division per element: the division's slow-path checks
+    # cost the epilogue a share of a short sequence's time.
+    row_sum = state.row_sum
+    out = state.acc * (1.0 / ct.where(row_sum == 0.0, 1.0, row_sum))
+    store_rows(Out, b, q_head, q_tile, out, block_m, block_d)
+    if write_lse:
+        row_max = state.row_max
+        if keeps_raw_scores(switches):
+            row_max = row_max * qk_scale_log2
+        lse = (row_max + ct.log2(row_sum)) * ln2(acc_dtype)
+        store_row_stat(Lse, b, q_head, q_tile, lse, block_m)

@@ -1,0 +1,95 @@
+"""The score modifiers in device code: bias, softcap and ALiBi applied to raw products q.k,
+and the softcap's gradient. Which are on is compile-time (state.Switches); with all off, each
+kernel compiles to the code it had without them. Window masks are in ranges.py.
+"""
+
+import cuda.tile as ct
+
+from tilegym.ops.attention.kernels.state import HeadMods
+from tilegym.ops.attention.kernels.tiles import ZERO_PAD, ConstBool, ConstInt, log2e, scale
+from tilegym.ops.attention.score_mods import BIAS_NONE, BIAS_ONE_ROW
+
+
+@ct.function
+def head_mods(
+    Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi: ConstBool
+):
+    """HeadMods of one (batch, query head). A bias dimension of size 1 is shared by every batch
+    or head: its index is clamped to 0."""
+    bias_b = min(b, Bias.shape[0] - 1)
+    bias_h = min(q_head, Bias.shape[1] - 1)
+    slope_log2 = 0.0
+    if alibi:
+        slope = ct.load(Slopes, index=(min(b, Slopes.shape[0] - 1), q_head), shape=(1, 1))
+        slope_log2 = slope.astype(acc_dtype) * log2e(acc_dtype)
+    return HeadMods(Bias, bias_b, bias_h, slope_log2, softcap_in, softcap_log2, window_left, window_right)
+
+
+@ct.function
+def softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype):
+    """(scale / softcap, softcap * log2(e)) in the accumulator dtype, from their split arguments."""
+    return scale(softcap_in, softcap_in_lo, acc_dtype), scale(softcap, softcap_lo, acc_dtype) * log2e(acc_dtype)
+
+
+@ct.function
+def keeps_raw_scores(switches):
+    """Whether the forward keeps raw products q.k and their running max, scaling inside exp2.
+
+    True for plain attention (masks aside), whose launcher makes the scale positive, so the
+    largest product is the largest score.
+    """
+    return not switches.capped and switches.bias_mode == BIAS_NONE and not switches.alibi
+
+
+@ct.function
+def _bias_tile(mods, q_tile, kv_tile, block_m: ConstInt, block_n: ConstInt, bias_mode: ConstInt, transposed: ConstBool):
+    """The bias under a [block_m, block_n] score tile ([block_n, block_m] when transposed)."""
+    if bias_mode == BIAS_ONE_ROW:
+        shape = (1, 1, 1, block_n)
+        tile = ct.load(mods.bias, index=(mods.bias_b, mods.bias_h, 0, kv_tile), shape=shape, padding_mode=ZERO_PAD)
+        tile = tile.reshape((1, block_n))
+    else:
+        shape = (1, 1, block_m, block_n)
+        index = (mods.bias_b, mods.bias_h, q_tile, kv_tile)
+        tile = ct.load(mods.bias, index=index, shape=shape, padding_mode=ZERO_PAD)
+        tile = tile.reshape((block_m, block_n))
+    if transposed:
+        tile = ct.transpose(tile)
+    return tile
+
+
+@ct.function
+def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: ConstBool):
+    """(base-2 scores, tanh of the softcap) of raw products q.k, with the switched-on modifiers.
+
+    raw is [block_m, block_n], or [block_n, block_m] when transposed (the dK/dV kernel).
+    In natural units: s = scale * q.k, then s = softcap * tanh(s / softcap), then
+    s += bias - slope * |i + Sk - Sq - j|. Plain attention is one multiply.
+    """
+    mods, switches = scoring.mods, scoring.switches
+    if switches.capped:
+        if input_dtype == ct.float16 or input_dtype == ct.bfloat16:
+            # The hardware tanh is good to 2^-11, below what 16-bit inputs carry.
+            capped_tanh = ct.tanh(raw * mods.softcap_in, rounding_mode=ct.RoundingMode.APPROX)
+        else:
+            capped_tanh = ct.tanh(raw * mods.softcap_in)
+        result = capped_tanh * mods.softcap_log2
+    else:
+        capped_tanh = raw
+        result = raw * scoring.qk_scale_log2
+    if switches.bias_mode != BIAS_NONE:
+        tiling = scoring.tiling
+        bias = _bias_tile(mods, q_tile, kv_tile, tiling.block_m, tiling.block_n, switches.bias_mode, transposed)
+        result = result + bias.astype(raw.dtype) * log2e(raw.dtype)
+    if switches.alibi:
+        distance = ct.abs(rows + (scoring.seqlens.k - scoring.seqlens.q) - cols).astype(raw.dtype)
+        result = result - mods.slope_log2 * distance
+    return result, capped_tanh
+
+
+@ct.function
+def pre_cap_gradient(d_scores, capped_tanh, capped: ConstBool):
+    """The gradient with respect to scale * q.k from the gradient with respect to the scores."""
+    if capped:
+        return d_scores * (1.0 - capped_tanh * capped_tanh)
+    return d_scores

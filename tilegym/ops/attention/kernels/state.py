@@ -1,0 +1,168 @@
+"""Named state that kernel code passes between its functions: frozen dataclasses, which cuTile
+flattens into the values they hold (no cost over loose values). Fields that are compile-time
+constants stay constant through them, so a switch read from a dataclass still removes code.
+
+Kernel parameters themselves stay flat (cuda-tile 1.7 takes no dataclass parameters); each
+kernel builds these from its parameters first thing.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+# Every field holds a cuTile value (a tile, a scalar, an array or a constant), typed by the
+# compiler: the annotations only name the fields.
+Value = Any
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile sizes of a program, all compile-time: query rows, key rows, head dim."""
+
+    block_m: Value
+    block_n: Value
+    block_d: Value
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The score modifiers' compile-time switches (score_mods.py): all off for plain attention."""
+
+    windowed: Value
+    capped: Value
+    bias_mode: Value  # BIAS_NONE, BIAS_ONE_ROW or BIAS_PER_ROW
+    alibi: Value
+
+
+@dataclass(frozen=True)
+class SeqLens:
+    """Sequence lengths as int32 (tiles.seqlens)."""
+
+    q: Value
+    k: Value
+
+
+@dataclass(frozen=True)
+class HeadMods:
+    """The score modifiers' runtime values for one (batch, query head), in the accumulator dtype
+    where they are floats. bias_b and bias_h index the bias, clamped where it broadcasts."""
+
+    bias: Value  # the Bias array
+    bias_b: Value
+    bias_h: Value
+    slope_log2: Value  # ALiBi slope * log2(e); 0 without ALiBi
+    softcap_in: Value  # scale / softcap: the tanh's argument from a raw product
+    softcap_log2: Value  # softcap * log2(e)
+    window_left: Value
+    window_right: Value
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Tiles one program visits along the other sequence: [full_start, full_end) need no mask;
+    [start, full_start) and [full_end, end) do; the rest are skipped. A masked segment that is
+    always empty for the mask at hand is left out at compile time (masked_before and
+    masked_after are constants), so no loop is emitted for it."""
+
+    start: Value
+    full_start: Value
+    full_end: Value
+    end: Value
+    masked_before: Value
+    masked_after: Value
+
+
+@dataclass(frozen=True)
+class ForwardState:
+    """The online softmax of a query tile: row max (raw units or base-2 scores, see
+    modifiers.keeps_raw_scores), row sum and output accumulator."""
+
+    row_max: Value
+    row_sum: Value
+    acc: Value
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What turns raw products q.k into scores and masks, shared by every step of a program."""
+
+    qk_scale_log2: Value  # softmax scale * log2(e), in the accumulator dtype
+    seqlens: Value  # SeqLens
+    mods: Value  # HeadMods
+    switches: Value  # Switches
+    tiling: Value  # Tiling
+    causal: Value  # compile-time; off under a window, which carries its own right side
+
+
+@dataclass(frozen=True)
+class ForwardTile:
+    """What every step of a forward program shares: its query tile and where it reads keys."""
+
+    q: Value  # [block_m, block_d]
+    K: Value
+    V: Value
+    b: Value
+    kv_head: Value
+    q_tile: Value
+    rows: Value  # [block_m, 1] query indices
+    scoring: Value  # Scoring
+
+
+@dataclass(frozen=True)
+class DqTile:
+    """What every step of a dQ program shares."""
+
+    q: Value  # [block_m, block_d]
+    d_out: Value  # [block_m, block_d]
+    lse: Value  # [block_m, 1] base-2 LSE
+    delta: Value  # [block_m, 1]
+    K: Value
+    V: Value
+    b: Value
+    kv_head: Value
+    q_tile: Value
+    rows: Value  # [block_m, 1] query indices
+    scoring: Value  # Scoring
+
+
+@dataclass(frozen=True)
+class KeyTile:
+    """What every step of a dK/dV program shares for one query head: its key tile, the arrays
+    it reads per query tile, and where it writes dBias and dQ shares."""
+
+    k: Value  # [block_n, block_d]
+    v: Value  # [block_n, block_d]
+    Q: Value
+    dOut: Value
+    LseBase2: Value
+    Delta: Value
+    DBias: Value
+    DQSum: Value
+    dq_scale: Value  # the softmax scale, applied to each dQ share
+    b: Value
+    q_head: Value
+    kv_tile: Value
+    cols: Value  # [block_n, 1] key indices
+    scoring: Value  # Scoring
+    bias_grad: Value  # compile-time: BIAS_NONE, or the bias mode whose gradient is written
+    sum_dq: Value  # compile-time: the fused backward, dQ summed here
+
+
+@dataclass(frozen=True)
+class KeyState:
+    """A dK/dV program's sums (key-major) and its dQ share held for the next step
+    (backward._holds_dq_share): pending_dq belongs to query tile pending_tile."""
+
+    d_key: Value
+    d_value: Value
+    d_bias_row: Value  # [block_n, 1] column sums of dBias (BIAS_ONE_ROW)
+    pending_dq: Value
+    pending_tile: Value
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """A query tile's backward statistics as [block_m] tiles: Delta_i = sum_d Out_id dOut_id,
+    and the LSE in base 2 (+inf for a row that saw no key)."""
+
+    delta: Value
+    lse_base2: Value

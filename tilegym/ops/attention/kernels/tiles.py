@@ -1,0 +1,97 @@
+"""Tile loads and stores of the [B, H, S, D] arrays and [B, H, S] row statistics, and the
+numerics every kernel shares (accumulator dtype, fp64-exact constants, exp2).
+
+Tiles are loaded with zero padding, so sequence lengths and head dims need not be multiples of
+a tile, and stores past the end of an array are dropped: nothing outside the tensors is touched.
+"""
+
+import cuda.tile as ct
+
+from tilegym.ops.attention.kernels.state import SeqLens
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+ZERO_PAD = ct.PaddingMode.ZERO
+
+
+@ct.function
+def load_rows(array, b, h, tile_index, rows: ConstInt, cols: ConstInt):
+    """A [rows, cols] tile of a [B, H, S, D] array, zero beyond S and D."""
+    tile = ct.load(array, index=(b, h, tile_index, 0), shape=(1, 1, rows, cols), padding_mode=ZERO_PAD)
+    return tile.reshape((rows, cols))
+
+
+@ct.function
+def store_rows(array, b, h, tile_index, tile, rows: ConstInt, cols: ConstInt):
+    ct.store(array, index=(b, h, tile_index, 0), tile=tile.reshape((1, 1, rows, cols)).astype(array.dtype))
+
+
+@ct.function
+def add_rows(array, b, h, tile_index, tile, rows: ConstInt, cols: ConstInt):
+    """Adds a rows x cols fp32 tile into a tile-padded fp32 sum [B, H, S, D], a whole tile at
+    once (one TMA reduction on sm_90, where a per-element atomic add is one REDG per value)."""
+    view = array.tiled_view((1, 1, rows, cols))
+    view.atomic_store_add((b, h, tile_index, 0), tile.reshape((1, 1, rows, cols)))
+
+
+@ct.function
+def load_row_stat(array, b, h, tile_index, rows: ConstInt):
+    """A [rows] slice of a per-row statistic [B, H, S] (LSE or Delta)."""
+    tile = ct.load(array, index=(b, h, tile_index), shape=(1, 1, rows), padding_mode=ZERO_PAD)
+    return tile.reshape((rows,))
+
+
+@ct.function
+def store_row_stat(array, b, h, tile_index, tile, rows: ConstInt):
+    ct.store(array, index=(b, h, tile_index), tile=tile.reshape((1, 1, rows)).astype(array.dtype))
+
+
+@ct.function
+def seqlens(Q, K):
+    """SeqLens as int32 also where the arrays are indexed with int64 (index_width.wide): the
+    host keeps Sq + Sk below 2**29, so positions and tile numbers stay 32-bit."""
+    return SeqLens(ct.astype(Q.shape[2], ct.int32), ct.astype(K.shape[2], ct.int32))
+
+
+@ct.function
+def accumulator_dtype(dtype):
+    return ct.float64 if dtype == ct.float64 else ct.float32
+
+
+@ct.function
+def scale(hi, lo, acc_dtype):
+    """A float kernel argument split by the host into hi + lo (launching.split_float): float
+    arguments arrive as fp32, so fp64 kernels rebuild the exact value from both."""
+    if acc_dtype == ct.float64:
+        return hi.astype(ct.float64) + lo.astype(ct.float64)
+    return hi
+
+
+@ct.function
+def ln2(dtype):
+    # Float literals reach the kernel rounded to fp32: fp64 kernels compute log(2) instead.
+    if dtype == ct.float64:
+        return ct.log(ct.full((1,), 2.0, ct.float64))
+    return LN2
+
+
+@ct.function
+def log2e(dtype):
+    if dtype == ct.float64:
+        return 1.0 / ln2(dtype)
+    return LOG2E
+
+
+@ct.function
+def exp2(x):
+    # Flushing subnormal results to zero lets exp2 compile to the bare hardware instruction
+    # (without it every element pays a range test and two predicated multiplies). A
+    # probability below 2^-126 of its row's maximum changes no sum we form.
+    if x.dtype == ct.float64:
+        return ct.exp2(x)
+    return ct.exp2(x, flush_to_zero=True)

@@ -1,0 +1,79 @@
+"""Every compiled form of the attention kernels, by name: the one registry that tuning (the
+names key the config tables in configs.py and the tune cache), launching, the ahead-of-time
+compile tests, the SASS tools and the benchmarks read.
+
+A variant is a kernel with some compile-time parameters pinned (LSE written or not, a fixed
+row max, dQ summed into the dK/dV kernel, ...). The score modifiers' switches are not pinned:
+they come from the call, and a variant says whether it takes them.
+"""
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # the tuning name: config tables, tune-cache keys, the AOT symbol
+    kernel_name: str  # the kernel's name in tilegym.ops.attention.kernels
+    fixed: MappingProxyType  # compile-time parameter -> the value this variant pins
+    tiles: str  # "query" or "key": the sequence whose tiles grid axis 0 counts
+    heads: str  # "query" or "kv": the heads grid axis 1 counts (axis 2 is the batch)
+    modifiable: bool  # compiles with the score modifiers' switches (else plain attention only)
+    default: bool  # has a config table on every arch; the others only where they win
+    about: str
+
+    @property
+    def kernel(self):
+        """The CachedKernel; imported on first use, so that the registry loads without cuTile."""
+        from tilegym.ops.attention import kernels
+
+        return getattr(kernels, self.kernel_name)
+
+
+def _variant(name, kernel_name, grid, about, modifiable=True, default=True, **fixed) -> Variant:
+    tiles, heads = grid
+    return Variant(name, kernel_name, MappingProxyType(fixed), tiles, heads, modifiable, default, about)
+
+
+FORWARD = "attention_forward"
+FORWARD_LSE = "attention_forward_lse"
+FORWARD_FIXED_MAX = "attention_forward_fixed_max"
+FORWARD_LSE_FIXED_MAX = "attention_forward_lse_fixed_max"
+BACKWARD_PREPROCESS = "attention_backward_preprocess"
+BACKWARD_DKDV = "attention_backward_dkdv"
+BACKWARD_DQ = "attention_backward_dq"
+BACKWARD_FUSED = "attention_backward_fused"
+BACKWARD_FUSED_GROUPED = "attention_backward_fused_grouped"
+
+_FORWARD_KERNEL = "attention_forward_kernel"
+_DKDV_KERNEL = "attention_backward_dkdv_kernel"
+_QUERY_TILES = ("query", "query")  # (tiles, heads) of the grid
+_KEY_TILES = ("key", "kv")
+_NO_DQ = {"sum_dq": False, "sum_dkdv": False}
+
+VARIANTS: MappingProxyType = MappingProxyType({
+    variant.name: variant
+    for variant in (
+        _variant(FORWARD, _FORWARD_KERNEL, _QUERY_TILES, "inference forward, running row max", write_lse=False, fixed_max=False),
+        _variant(FORWARD_LSE, _FORWARD_KERNEL, _QUERY_TILES, "training forward (writes the LSE), running row max",
+                 write_lse=True, fixed_max=False),
+        _variant(FORWARD_FIXED_MAX, _FORWARD_KERNEL, _QUERY_TILES, "inference forward, a fixed row max per query tile",
+                 modifiable=False, default=False, write_lse=False, fixed_max=True),
+        _variant(FORWARD_LSE_FIXED_MAX, _FORWARD_KERNEL, _QUERY_TILES, "training forward, a fixed row max per query tile",
+                 modifiable=False, default=False, write_lse=True, fixed_max=True),
+        _variant(BACKWARD_PREPROCESS, "attention_backward_preprocess_kernel", _QUERY_TILES,
+                 "row statistics of the fused backward", modifiable=False),
+        _variant(BACKWARD_DKDV, _DKDV_KERNEL, _KEY_TILES, "dK and dV (and dBias) of the two-kernel backward", **_NO_DQ),
+        _variant(BACKWARD_DQ, "attention_backward_dq_kernel", _QUERY_TILES,
+                 "dQ and the row statistics of the two-kernel backward"),
+        _variant(BACKWARD_FUSED, _DKDV_KERNEL, _KEY_TILES, "fused backward: dK, dV and dQ summed by TMA reductions",
+                 modifiable=False, default=False, sum_dq=True, sum_dkdv=False),
+        _variant(BACKWARD_FUSED_GROUPED, _DKDV_KERNEL, ("key", "query"),
+                 "fused backward of causal GQA: a program per query head, dK and dV summed too",
+                 modifiable=False, default=False, sum_dq=True, sum_dkdv=True),
+    )
+})  # fmt: skip
+
+# Variants with a config table on every arch: the others have tables only where they were
+# measured to win, and dispatch.py uses them only where a table exists.
+DEFAULT_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant.default)
