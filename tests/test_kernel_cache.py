@@ -278,3 +278,37 @@ def test_exit_cancels_queued_compiles():
     waited = time.time() - float(result.stdout)
     assert result.returncode == 0, result.stderr
     assert waited < 2 * 2, f"exit waited {waited:.1f} s for compiles queued behind the running ones"
+
+
+def test_a_kernel_is_keyed_by_the_modules_its_package_code_comes_from():
+    """The attention kernels' device helpers live in modules of their own: each is part of the key."""
+    modules = kernel_cache.package_imports("tilegym.ops.attention.kernels.backward")
+    helpers = {
+        f"tilegym.ops.attention.kernels.{name}" for name in ("tiles", "state", "ranges", "modifiers", "scheduling")
+    }
+    assert helpers | {"tilegym.ops.attention.score_mods"} <= modules
+    assert "tilegym.ops.attention.launch" not in modules  # host code the kernels do not import
+
+
+def test_editing_a_shared_helper_changes_the_key_of_a_kernel_that_imports_it(tmp_path, monkeypatch):
+    package = tmp_path / "keyed_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("SCALE = 2\n")
+    (package / "unrelated.py").write_text("X = 1\n")
+    (package / "kernel.py").write_text("from keyed_pkg.helpers import SCALE\n\n\ndef f():\n    import keyed_pkg.deep\n")
+    (package / "deep.py").write_text("Y = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert kernel_cache.package_imports("keyed_pkg.kernel") == {
+        "keyed_pkg.kernel",
+        "keyed_pkg.helpers",
+        "keyed_pkg.deep",
+    }
+    before = kernel_cache._package_digest("keyed_pkg.kernel")
+    (package / "unrelated.py").write_text("X = 2\n")
+    kernel_cache._package_digest.cache_clear()
+    assert kernel_cache._package_digest("keyed_pkg.kernel") == before
+    (package / "helpers.py").write_text("SCALE = 3\n")
+    kernel_cache._package_digest.cache_clear()
+    assert kernel_cache._package_digest("keyed_pkg.kernel") != before
+    kernel_cache._package_digest.cache_clear()

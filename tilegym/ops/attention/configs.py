@@ -41,16 +41,18 @@ def _c(block_m, block_n=None, **hints) -> TileConfig:
     return TileConfig(block_m=block_m, block_n=block_n, **hints)
 
 
-# Hopper: 128-row tiles need 8 worker warps (two warpgroups) to hold their fp32
-# accumulators without spilling; 64-row tiles fit one warpgroup. The D=64/128 forward runs
-# best on clusters of two CTAs, two per SM (perf-notes section 5); the backward must stay at
-# one CTA (a two-CTA dK/dV faulted). The backward's D=64/128 defaults run two CTAs per SM
-# with small tiles, which hides the latency of their four dependent matmuls (section 7).
-# D=64/128 entries hold only configs that won some of the 36 shape keys of the H100 training
-# benchmark (section 15): a single candidate is never tuned, which keeps a first call short.
+# Hopper: 128-row tiles need 8 worker warps (two warpgroups) to hold their fp32 accumulators
+# without spilling; 64-row tiles fit one warpgroup. The D=64/128 forward runs best on clusters
+# of two CTAs, two per SM (perf-notes#forward-cta-clusters); the backward must stay at one CTA
+# (a two-CTA dK/dV faulted). The backward's D=64/128 defaults run two CTAs per SM with small
+# tiles, which hides the latency of their four dependent matmuls
+# (perf-notes#backward-two-ctas-per-sm). D=64/128 entries hold only configs that won some of the
+# 36 shape keys of the H100 training benchmark (perf-notes#tables-trimmed-to-winners): a single
+# candidate is never tuned, which keeps a first call short.
 _SM90_FORWARD = {
     32: [_c(128, 128, num_worker_warps=8), _c(128, 64), _c(64, 64)],
-    # Four 64x64 CTAs per SM win at D=64 for sequences up to about 2048 (section 11).
+    # Four 64x64 CTAs per SM win at D=64 for sequences up to about 2048
+    # (perf-notes#short-forward-64x64-occ4).
     64: [_c(128, 128, occupancy=2, num_ctas=2), _c(64, 64, occupancy=4)],
     128: [_c(128, 128, occupancy=2, num_ctas=2)],
     256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
@@ -59,7 +61,8 @@ _SM90_DKDV = {
     32: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
     64: [_c(64, 128, num_worker_warps=8), _c(64, 64, occupancy=2)],
     128: [_c(64, 64, occupancy=2)],
-    # D=256: dK and dV take 2 x 64 x 256 fp32 accumulators; 16-row query tiles keep them in registers.
+    # D=256: dK and dV take 2 x 64 x 256 fp32 accumulators; 16-row query tiles keep them in
+    # registers.
     256: [_c(16, 64, num_worker_warps=8), _c(32, 64, num_worker_warps=8)],
 }
 _SM90_DQ = {
@@ -76,14 +79,16 @@ _SM90_FUSED = {
 }
 # Causal grouped-query attention: one program per KV head and key tile made too few programs
 # of too unequal lengths (GQA 8, D=128, S=4096: 284 TFLOPS against 375 with a program per
-# query head, section 20). 128x128 spills at D=64 in that form; 64x128 matched it there.
+# query head, perf-notes#gqa-program-per-head). 128x128 spills at D=64 in that form; 64x128
+# matched it there.
 _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
 # The forward with a fixed row max per query tile (dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
 # says where): its end-of-tile overflow check costs each program a fixed time, and on two-CTA
-# clusters far more (perf-notes sections 28 and 29), so one CTA of two warpgroups per SM (384
-# threads at 168 registers fill the register file; 64-row tiles at two CTAs per SM lost 5-13%,
-# section 34). At D=64, 256x64 tiles won without a mask (section 42) only while the 128x128
-# kernel waited for each matmul alone; since section 43 128x128 wins everywhere.
+# clusters far more (perf-notes#exp2-fma-fixed-max and #overflow-check-mean-keys), so one CTA of
+# two warpgroups per SM (384 threads at 168 registers fill the register file; 64-row tiles at
+# two CTAs per SM lost 5-13%, perf-notes#four-variants-lost). At D=64, 256x64 tiles won without
+# a mask (perf-notes#d64-256x64-tiles) only while the 128x128 kernel waited for each matmul
+# alone; since perf-notes#d64-serialized-matmuls 128x128 wins everywhere.
 _SM90_FORWARD_FIXED_MAX = {d: [_c(128, 128, num_worker_warps=8)] for d in (64, 128)}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
@@ -103,7 +108,7 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
 # config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
 # On the H100 two CTAs per SM bring it from 69 to 58-59 us at 16384 tokens x 2048 wide, about
-# 2.3 TB/s; no tile size or occupancy went lower (perf-notes section 24).
+# 2.3 TB/s; no tile size or occupancy went lower (perf-notes#backward-side-kernels).
 _SM90_PREPROCESS = _PREPROCESS | {64: [_c(128, occupancy=2)], 128: [_c(64, occupancy=2)]}
 
 # Ampere-class parts (sm_80, sm_120) have no warpgroup MMA: plain 64/128 tiles.
@@ -215,7 +220,7 @@ def candidates(
     """The configs to try for one kernel, first one the default; modified: with score modifiers.
 
     With score modifiers no config runs on CTA clusters: the two-CTA forward faulted on a
-    misaligned address with a one-row bias on Hopper (perf-notes section 5). Cached: every
+    misaligned address with a one-row bias on Hopper (perf-notes#forward-cta-clusters). Cached: every
     launch asks.
     """
     if element_size > 2:

@@ -11,15 +11,17 @@ from tilegym.ops.attention.score_mods import PLAIN
 from tilegym.ops.attention.variants import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED, FORWARD_FIXED_MAX
 
 # The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one from
-# 4096 keys on: at D=64 by 1-10% (perf-notes section 18), at D=128 by 3-16% once each step's dQ
-# share is summed during the next step (section 19); at 2048 keys it wins without a mask and
-# ties with one, at 1024 it loses causal (section 21).
+# 4096 keys on: at D=64 by 1-10% (perf-notes#fused-backward-tma-dq), at D=128 by 3-16% once each
+# step's dQ share is summed during the next step (perf-notes#dq-share-next-step); at 2048 keys
+# it wins without a mask and ties with one, at 1024 it loses causal
+# (perf-notes#causal-mask-fused-threshold).
 FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
-# overflow check costs each program a fixed time (perf-notes sections 28 and 29): it wins only
-# where a query row attends to many keys on average (half of a square causal length), from
-# 2048 at D=128 and 4096 at D=64; below, it was up to 10% and 18% slower. Keyed by head-dim tile.
+# overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
+# #overflow-check-mean-keys): it wins only where a query row attends to many keys on average
+# (half of a square causal length), from 2048 at D=128 and 4096 at D=64; below, it was up to 10%
+# and 18% slower. Keyed by head-dim tile.
 FIXED_MAX_FORWARD_MIN_MEAN_KEYS = {64: 4096, 128: 2048}
 
 _BACKWARD_CHOICES = ("auto", "fused", "two-kernel")
@@ -36,7 +38,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     Fused only for plain attention where the arch has a fused table (candidates(name) is not
     empty), never under torch.use_deterministic_algorithms (the order of the fp32 sums varies
     between runs); "auto" also needs FUSED_BACKWARD_MIN_SEQLEN_K keys. Causal grouped-query
-    attention takes the grouped form: a program per query head (perf-notes section 20).
+    attention takes the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():

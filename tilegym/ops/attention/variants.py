@@ -51,28 +51,85 @@ _QUERY_TILES = ("query", "query")  # (tiles, heads) of the grid
 _KEY_TILES = ("key", "kv")
 _NO_DQ = {"sum_dq": False, "sum_dkdv": False}
 
-VARIANTS: MappingProxyType = MappingProxyType({
-    variant.name: variant
-    for variant in (
-        _variant(FORWARD, _FORWARD_KERNEL, _QUERY_TILES, "inference forward, running row max", write_lse=False, fixed_max=False),
-        _variant(FORWARD_LSE, _FORWARD_KERNEL, _QUERY_TILES, "training forward (writes the LSE), running row max",
-                 write_lse=True, fixed_max=False),
-        _variant(FORWARD_FIXED_MAX, _FORWARD_KERNEL, _QUERY_TILES, "inference forward, a fixed row max per query tile",
-                 modifiable=False, default=False, write_lse=False, fixed_max=True),
-        _variant(FORWARD_LSE_FIXED_MAX, _FORWARD_KERNEL, _QUERY_TILES, "training forward, a fixed row max per query tile",
-                 modifiable=False, default=False, write_lse=True, fixed_max=True),
-        _variant(BACKWARD_PREPROCESS, "attention_backward_preprocess_kernel", _QUERY_TILES,
-                 "row statistics of the fused backward", modifiable=False),
-        _variant(BACKWARD_DKDV, _DKDV_KERNEL, _KEY_TILES, "dK and dV (and dBias) of the two-kernel backward", **_NO_DQ),
-        _variant(BACKWARD_DQ, "attention_backward_dq_kernel", _QUERY_TILES,
-                 "dQ and the row statistics of the two-kernel backward"),
-        _variant(BACKWARD_FUSED, _DKDV_KERNEL, _KEY_TILES, "fused backward: dK, dV and dQ summed by TMA reductions",
-                 modifiable=False, default=False, sum_dq=True, sum_dkdv=False),
-        _variant(BACKWARD_FUSED_GROUPED, _DKDV_KERNEL, ("key", "query"),
-                 "fused backward of causal GQA: a program per query head, dK and dV summed too",
-                 modifiable=False, default=False, sum_dq=True, sum_dkdv=True),
-    )
-})  # fmt: skip
+VARIANTS: MappingProxyType = MappingProxyType(
+    {
+        variant.name: variant
+        for variant in (
+            _variant(
+                FORWARD,
+                _FORWARD_KERNEL,
+                _QUERY_TILES,
+                "inference forward, running row max",
+                write_lse=False,
+                fixed_max=False,
+            ),
+            _variant(
+                FORWARD_LSE,
+                _FORWARD_KERNEL,
+                _QUERY_TILES,
+                "training forward (writes the LSE), running row max",
+                write_lse=True,
+                fixed_max=False,
+            ),
+            _variant(
+                FORWARD_FIXED_MAX,
+                _FORWARD_KERNEL,
+                _QUERY_TILES,
+                "inference forward, a fixed row max per query tile",
+                modifiable=False,
+                default=False,
+                write_lse=False,
+                fixed_max=True,
+            ),
+            _variant(
+                FORWARD_LSE_FIXED_MAX,
+                _FORWARD_KERNEL,
+                _QUERY_TILES,
+                "training forward, a fixed row max per query tile",
+                modifiable=False,
+                default=False,
+                write_lse=True,
+                fixed_max=True,
+            ),
+            _variant(
+                BACKWARD_PREPROCESS,
+                "attention_backward_preprocess_kernel",
+                _QUERY_TILES,
+                "row statistics of the fused backward",
+                modifiable=False,
+            ),
+            _variant(
+                BACKWARD_DKDV, _DKDV_KERNEL, _KEY_TILES, "dK and dV (and dBias) of the two-kernel backward", **_NO_DQ
+            ),
+            _variant(
+                BACKWARD_DQ,
+                "attention_backward_dq_kernel",
+                _QUERY_TILES,
+                "dQ and the row statistics of the two-kernel backward",
+            ),
+            _variant(
+                BACKWARD_FUSED,
+                _DKDV_KERNEL,
+                _KEY_TILES,
+                "fused backward: dK, dV and dQ summed by TMA reductions",
+                modifiable=False,
+                default=False,
+                sum_dq=True,
+                sum_dkdv=False,
+            ),
+            _variant(
+                BACKWARD_FUSED_GROUPED,
+                _DKDV_KERNEL,
+                ("key", "query"),
+                "fused backward of causal GQA: a program per query head, dK and dV summed too",
+                modifiable=False,
+                default=False,
+                sum_dq=True,
+                sum_dkdv=True,
+            ),
+        )
+    }
+)
 
 # Variants with a config table on every arch: the others have tables only where they were
 # measured to win, and dispatch.py uses them only where a table exists.

@@ -67,7 +67,7 @@ def attention_backward_preprocess_kernel(
 def _holds_dq_share(block_d: ConstInt):
     """Whether the fused backward holds a step's dQ share until the next step, which sums it
     after its first matmul, so the reduction overlaps that step's matmuls instead of stalling
-    between steps. Measured on sm_90 (perf-notes section 19): 9-15% faster at D=128 from 4096
+    between steps. Measured on sm_90 (perf-notes#dq-share-next-step): 9-15% faster at D=128 from 4096
     keys (even at 16384 keys without a mask); at D=64 (128x128 tiles) up to 6% slower."""
     return block_d > 64
 
@@ -101,8 +101,8 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     scores_t, capped_tanh_t = scores(raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.dtype, scoring, True)
     if block_d > 64 and not tile.sum_dq:
         # The D=128 dK/dV kernel runs two CTAs per SM, where the flushed exp2's schedule spills
-        # and gained nothing (perf-notes section 14); the fused kernel, at one CTA per SM,
-        # gains 1-3% from it (section 25).
+        # and gained nothing (perf-notes#leaner-softmax-exp2); the fused kernel, at one CTA per SM,
+        # gains 1-3% from it (perf-notes#fused-backward-exp2-d128).
         probs_t = ct.exp2(scores_t - lse)  # [block_n, block_m]
     else:
         probs_t = exp2(scores_t - lse)
@@ -126,7 +126,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         # stays busy until dK, so the next step's Q could only be loaded while this step
         # computes dQ, and arrived late (at one CTA per SM nothing covers the wait). Loaded
         # again for dK, the first buffer is free after K Q^T. dK before dV in the source
-        # keeps the two matmuls issued back to back (perf-notes section 26).
+        # keeps the two matmuls issued back to back (perf-notes#q-loaded-twice).
         d_key = ct.mma(d_scores_t, load_rows(tile.Q, b, q_head, q_tile, block_m, block_d), d_key)
         d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
     else:

@@ -82,7 +82,7 @@ def _first_step_fixed_max(first, state, tile):
 
     A running-max step from the empty state gives the same values but rescales its zero sums;
     with that step here, ptxas found too few registers to pipeline the D=64 kernel's matmuls
-    and waited for each one alone (perf-notes section 43).
+    and waited for each one alone (perf-notes#d64-serialized-matmuls).
     """
     tiling = tile.scoring.tiling
     qk_scale_log2 = tile.scoring.qk_scale_log2

@@ -33,7 +33,7 @@ def heaviest_first():
     batch index. Measured in the fused causal backward (one CTA per SM): +1-4% at 4096-8192
     keys. At two CTAs per SM (the forward, the two-kernel backward) it lost up to 6% at 1024
     keys, where the integer divisions below weigh on short programs and a CTA left alone on an
-    SM runs faster (perf-notes section 33).
+    SM runs faster (perf-notes#heaviest-first-order).
     """
     tiles = ct.num_blocks(0)
     group = ct.cdiv(HEAVIEST_FIRST_PROGRAMS, tiles)  # at least 1
