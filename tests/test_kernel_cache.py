@@ -17,7 +17,7 @@ import pytest
 from cuda.tile._cext import default_tile_context
 from cuda.tile.compilation import CallingConvention, KernelSignature
 
-from tests.ops import aot
+from tests.ops import sass
 from tilegym import kernel_cache
 from tilegym.kernel_cache import CachedKernel
 
@@ -31,7 +31,7 @@ def _doubling_kernel(X, Y, block: ct.Constant[int]):
 
 
 def _signature(block: int = 64, dtype=ct.float32) -> KernelSignature:
-    array = aot._array(dtype, 1)
+    array = sass.array_constraint(dtype, 1)
     return KernelSignature((array, array, block), CallingConvention.cutile_python_v2())
 
 

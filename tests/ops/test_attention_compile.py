@@ -1,77 +1,108 @@
-"""Every attention kernel compiles ahead of time for sm_90 and sm_100, on a machine without a GPU.
+"""Every attention variant compiles ahead of time for sm_90 and sm_100, on a machine without a GPU.
 
-For each kernel: every config of its sm_90 and sm_100 tables at head dims 64 and 128, and the
-first config at the other head dims, causal and not, in bf16 (fp16 and the fp32/fp64 configs
-at one head dim); the fused backward's sm_90 configs (plain and grouped), which must add
-their fp32 sums by TMA reductions; and the sm_90 configs of the forwards with a fixed row max.
-On sm_90 the matrix kernels must use warpgroup MMA (HGMMA), must not spill registers to
-local memory (LDL/STL) and must issue their HGMMAs in groups, not each waited for alone (what
-ptxas does when it lacks registers to pipeline them): each is a slowdown that CPU CI can catch.
+The cases come from the registry (tilegym/ops/attention/variants.py, VARIANTS) and the config
+tables, so a new variant is compiled and checked without touching this file:
+
+- every variant, wherever it has a table: every config of its sm_90 and sm_100 tables at head
+  dims 64 and 128 and the first config at the other head-dim tiles, causal and not, in bf16;
+  fp16 at D=128 and the fp32/fp64 configs at D=64;
+- on sm_90 in 16 bits, no variant spills registers to local memory (LDL/STL), and those with
+  matrix products use warpgroup MMA (HGMMA) issued in groups, not each waited for alone (what
+  ptxas does when it lacks registers to pipeline them); variants that sum dQ (fixed sum_dq) add
+  their fp32 sums by TMA reductions: each is a slowdown that CPU CI can catch;
+- every variant's plain code matches its stored fingerprint (sass.fingerprint_cases);
+- the modifiable variants compile with each score modifier, the int64-indexed twins compile.
+
+Only the head-dim tile enters the code (sass.signature), so head dims 80 and 96 are not
+compiled apart from 128; a variant without the `causal` switch is compiled once.
+test_every_variant_is_covered (no compile) fails where a variant would escape all of this.
 """
 
 import cuda.tile as ct
 import pytest
 
-from tests.ops import aot, plain_sass
+from tests.ops import sass
 from tilegym.ops.attention import configs
+from tilegym.ops.attention.variants import BACKWARD_PREPROCESS, VARIANTS
 
-# Each case runs the compiler (seconds): python -m pytest -m "not slow" leaves them out.
-pytestmark = pytest.mark.slow
+# Each compile takes seconds: python -m pytest -m "not slow" leaves them out.
+slow = pytest.mark.slow
 
-MATRIX_KERNELS = (configs.FORWARD, configs.FORWARD_LSE, configs.BACKWARD_DKDV, configs.BACKWARD_DQ)
-FUSED_KERNELS = (configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED)
-FIXED_MAX_KERNELS = (configs.FORWARD_FIXED_MAX, configs.FORWARD_LSE_FIXED_MAX)
+ARCHS = ("sm_90", "sm_100")
 TUNED_HEAD_DIMS = (64, 128)
+HEAD_DIM_TILES = sorted({configs.head_dim_tile(head_dim) for head_dim in configs.HEAD_DIMS})
+# Variants without a matrix product (a row reduction): no warpgroup MMA to look for.
+ROW_REDUCTIONS = (BACKWARD_PREPROCESS,)
 
 
-def _bf16_params(arch, kernel, head_dim, chosen):
+def _causal_forms(name):
+    return (False, True) if sass.takes(name, "causal") else (False,)
+
+
+def _sums_by_tma(name) -> bool:
+    return bool(VARIANTS[name].fixed.get("sum_dq"))
+
+
+def _runs_wide(name) -> bool:
+    """Whether a variant has an int64-indexed twin: the fixed-max forwards are never run wide
+    (dispatch.fixed_max_forward)."""
+    return not VARIANTS[name].fixed.get("fixed_max")
+
+
+def _check_sass(name, text):
+    """The sm_90 16-bit checks: no spills; HGMMA, pipelined; fp32 sums by TMA reductions."""
+    spills = sass.count_instructions(text, "LDL") + sass.count_instructions(text, "STL")
+    assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
+    if name not in ROW_REDUCTIONS:
+        assert sass.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
+        assert not sass.matmuls_serialized(text), "every HGMMA is waited for alone: too few registers to pipeline them"
+    if _sums_by_tma(name):
+        assert sass.count_instructions(text, "UTMAREDG") > 0, "fp32 sums are not added by TMA reductions"
+        assert sass.count_instructions(text, "REDG") == 0, "fp32 sums are added one element at a time"
+
+
+def _bf16_params(arch, name, head_dim, chosen):
     for index, config in enumerate(chosen):
-        for causal in (False, True):
+        for causal in _causal_forms(name):
             yield pytest.param(
-                arch, kernel, ct.bfloat16, head_dim, config, causal,
-                id=f"{arch}-{kernel}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
+                arch, name, ct.bfloat16, head_dim, config, causal,
+                id=f"{arch}-{name}-d{head_dim}-cfg{index}-{'causal' if causal else 'full'}",
             )  # fmt: skip
 
 
 def _compile_matrix():
-    for arch in ("sm_90", "sm_100"):
-        for kernel in configs.KERNELS:
-            for head_dim in configs.HEAD_DIMS:
-                table = configs.candidates(kernel, arch, head_dim, element_size=2)
-                yield from _bf16_params(arch, kernel, head_dim, table if head_dim in TUNED_HEAD_DIMS else table[:1])
-    for kernel in FUSED_KERNELS + FIXED_MAX_KERNELS:
-        for head_dim in configs.TABLES["sm_90"][kernel]:
-            yield from _bf16_params("sm_90", kernel, head_dim, configs.candidates(kernel, "sm_90", head_dim, 2))
-    for kernel in configs.KERNELS:
-        yield pytest.param("sm_90", kernel, ct.float16, 128, configs.candidates(kernel, "sm_90", 128, 2)[0], True,
-                           id=f"sm_90-{kernel}-d128-fp16")  # fmt: skip
+    for name in VARIANTS:
+        for arch in ARCHS:
+            for head_dim in HEAD_DIM_TILES:
+                table = configs.candidates(name, arch, head_dim, element_size=2)
+                yield from _bf16_params(arch, name, head_dim, table if head_dim in TUNED_HEAD_DIMS else table[:1])
+        causal = _causal_forms(name)[-1]
+        for config in configs.candidates(name, "sm_90", 128, 2)[:1]:
+            yield pytest.param("sm_90", name, ct.float16, 128, config, causal, id=f"sm_90-{name}-d128-fp16")
         for dtype, size in ((ct.float32, 4), (ct.float64, 8)):
-            config = configs.candidates(kernel, "sm_90", 64, size)[0]
-            yield pytest.param("sm_90", kernel, dtype, 64, config, True, id=f"sm_90-{kernel}-d64-{dtype}")
+            for config in configs.candidates(name, "sm_90", 64, size)[:1]:
+                yield pytest.param("sm_90", name, dtype, 64, config, causal, id=f"sm_90-{name}-d64-{dtype}")
 
 
-@pytest.mark.parametrize("arch, kernel, dtype, head_dim, config, causal", list(_compile_matrix()))
+COMPILE_MATRIX = list(_compile_matrix())
+
+
+@slow
+@pytest.mark.parametrize("arch, kernel, dtype, head_dim, config, causal", COMPILE_MATRIX)
 def test_op_attention_compiles(arch, kernel, dtype, head_dim, config, causal, tmp_path):
-    cubin = aot.compile_cubin(kernel, dtype, head_dim, config, causal, arch, tmp_path / "kernel.cubin")
+    cubin = sass.compile_cubin(kernel, dtype, head_dim, config, causal, arch, tmp_path / "kernel.cubin")
     assert cubin.stat().st_size > 0
-    matrix_kernels = (*MATRIX_KERNELS, *FUSED_KERNELS, *FIXED_MAX_KERNELS)
-    if arch != "sm_90" or kernel not in matrix_kernels or dtype not in (ct.float16, ct.bfloat16):
-        return
-    text = aot.sass(cubin)
-    assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
-    spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
-    assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
-    assert not aot.matmuls_serialized(text), "every HGMMA is waited for alone: too few registers to pipeline them"
-    if kernel in FUSED_KERNELS:
-        assert aot.count_instructions(text, "UTMAREDG") > 0, "fp32 sums are not added by TMA reductions"
-        assert aot.count_instructions(text, "REDG") == 0, "fp32 sums are added one element at a time"
+    if arch == "sm_90" and dtype in (ct.float16, ct.bfloat16):
+        _check_sass(kernel, sass.disassemble(cubin))
 
 
-@pytest.mark.parametrize("kernel, head_dim, causal", plain_sass.VARIANTS, ids=lambda v: str(v))
+@slow
+@pytest.mark.parametrize("kernel, head_dim, causal", sass.fingerprint_cases(), ids=str)
 def test_op_attention_plain_sass_unchanged_by_score_modifiers(kernel, head_dim, causal, tmp_path):
-    """With every modifier switched off, the kernels compile to the stored plain code."""
-    name = plain_sass.variant_name(kernel, head_dim, causal)
-    assert plain_sass.current_fingerprint(kernel, head_dim, causal, tmp_path) == plain_sass.stored()[name], (
+    """With every modifier switched off, the variants compile to the stored plain code."""
+    name = sass.fingerprint_name(kernel, head_dim, causal)
+    expected = sass.stored().get(name, "none stored: python -m tests.ops.sass fingerprints --update")
+    assert sass.current_fingerprint(kernel, head_dim, causal, tmp_path) == expected, (
         f"{name}: the plain kernel's instructions changed"
     )
 
@@ -85,49 +116,87 @@ _SWITCHES = {
     "alibi": {"alibi": True},
     "all": {"bias_mode": 2, "windowed": True, "capped": True, "alibi": True},
 }
-_BIAS_GRADS = {"dbias-per-row": {"bias_mode": 2, "bias_grad": 2}, "dbias-one-row": {"bias_mode": 1, "bias_grad": 1}}
+# Only for variants whose kernel takes the switch (the dK/dV kernel writes dBias, the forward
+# reads sinks, the dQ kernel writes their gradient's shares).
+_BIAS_GRADS = {
+    "dbias-per-row": {"bias_mode": 2, "bias_grad": 2},
+    "dbias-one-row": {"bias_mode": 1, "bias_grad": 1},
+    "sinks": {"with_sinks": True},
+    "sinks-window": {"with_sinks": True, "windowed": True},
+    "sinks-grad": {"sinks_grad": True, "lse_grad": True, "windowed": True},
+}
+MODIFIABLE = tuple(name for name, variant in VARIANTS.items() if variant.modifiable)
 
 
-def _compile_variants():
-    for name, switches in {**_SWITCHES, **_BIAS_GRADS}.items():
-        for kernel in MATRIX_KERNELS:
-            if "bias_grad" in switches and kernel != configs.BACKWARD_DKDV:
+def _compile_modified():
+    for label, switches in {**_SWITCHES, **_BIAS_GRADS}.items():
+        for name in MODIFIABLE:
+            if any(switch not in _SWITCHES["all"] and not sass.takes(name, switch) for switch in switches):
                 continue
             for head_dim in TUNED_HEAD_DIMS:
-                yield pytest.param(kernel, ct.bfloat16, head_dim, switches, id=f"{kernel}-d{head_dim}-{name}")
-        with_grad = {**switches, "bias_grad": switches.get("bias_mode", 0)}
-        yield pytest.param(
-            configs.BACKWARD_DKDV, ct.float64, 64, with_grad, id=f"{configs.BACKWARD_DKDV}-d64-fp64-{name}"
-        )
+                yield pytest.param(name, ct.bfloat16, head_dim, switches, id=f"{name}-d{head_dim}-{label}")
+        for name in MODIFIABLE:
+            takes_all = all(switch in _SWITCHES["all"] or sass.takes(name, switch) for switch in switches)
+            if sass.takes(name, "bias_grad") and takes_all:
+                with_grad = {**switches, "bias_grad": switches.get("bias_mode", 0)}
+                yield pytest.param(name, ct.float64, 64, with_grad, id=f"{name}-d64-fp64-{label}")
+    # The LSE's gradient also reaches plain attention's fused backward, through the preprocess.
+    for name in (n for n in VARIANTS if sass.takes(n, "lse_grad") and n not in MODIFIABLE):
+        for head_dim in TUNED_HEAD_DIMS:
+            yield pytest.param(name, ct.bfloat16, head_dim, {"lse_grad": True}, id=f"{name}-d{head_dim}-lse-grad")
 
 
-@pytest.mark.parametrize("kernel, dtype, head_dim, switches", list(_compile_variants()))
+MODIFIED_MATRIX = list(_compile_modified())
+
+
+@slow
+@pytest.mark.parametrize("kernel, dtype, head_dim, switches", MODIFIED_MATRIX)
 def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches, tmp_path):
     """Each modifier compiles for sm_90 with every candidate config, keeping the warpgroup MMA
     and spilling nothing."""
     size = 8 if dtype == ct.float64 else 2
-    for config in configs.candidates(kernel, "sm_90", head_dim, size, modified=True):
-        _check_modified_compile(kernel, dtype, head_dim, config, switches, tmp_path)
-
-
-def _check_modified_compile(kernel, dtype, head_dim, config, switches, tmp_path):
-    cubin = aot.compile_cubin(kernel, dtype, head_dim, config, False, "sm_90", tmp_path / "k.cubin", switches)
-    if dtype == ct.float64:
+    chosen = configs.candidates(kernel, "sm_90", head_dim, size, modified=True)
+    assert chosen, f"{kernel} takes score modifiers but has no sm_90 config for them at D={head_dim}"
+    for config in chosen:
+        cubin = sass.compile_cubin(kernel, dtype, head_dim, config, False, "sm_90", tmp_path / "k.cubin", switches)
         assert cubin.stat().st_size > 0
-        return
-    text = aot.sass(cubin)
-    assert aot.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
-    spills = aot.count_instructions(text, "LDL") + aot.count_instructions(text, "STL")
-    assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
-    assert not aot.matmuls_serialized(text), "every HGMMA is waited for alone: too few registers to pipeline them"
+        if dtype != ct.float64:
+            _check_sass(kernel, sass.disassemble(cubin))
 
 
-@pytest.mark.parametrize("kernel", configs.KERNELS + (configs.BACKWARD_FUSED,), ids=str)
+WIDE = tuple(name for name in VARIANTS if _runs_wide(name))
+
+
+@slow
+@pytest.mark.parametrize("kernel", WIDE, ids=str)
 def test_op_attention_int64_indexed_twins_compile(kernel, tmp_path):
-    """Each kernel's int64-indexed twin (index_width.wide), which runs where a size or stride
-    passes int32, compiles for sm_90 with every array indexed by int64, its positions in int32.
-    (The fixed-max forwards are never run wide: dispatch.fixed_max_forward.)"""
+    """Each variant's int64-indexed twin (index_width.wide), which runs where a size or stride
+    passes int32, compiles for sm_90 with every array indexed by int64, its positions in int32."""
     config = configs.candidates(kernel, "sm_90", 64, element_size=2)[0]
-    cubin = aot.compile_cubin(kernel, ct.bfloat16, 64, config, True, "sm_90", tmp_path / "k.cubin", wide=True)
-    text = aot.sass(cubin)
-    assert aot.count_instructions(text, "HGMMA") > 0 or kernel == configs.BACKWARD_PREPROCESS
+    cubin = sass.compile_cubin(kernel, ct.bfloat16, 64, config, True, "sm_90", tmp_path / "k.cubin", wide=True)
+    text = sass.disassemble(cubin)
+    assert sass.count_instructions(text, "HGMMA") > 0 or kernel in ROW_REDUCTIONS
+
+
+def test_every_variant_is_covered():
+    """No compile: every variant in the registry reaches the compile tests above."""
+    assert set(ROW_REDUCTIONS) <= set(VARIANTS), "ROW_REDUCTIONS names a variant the registry lacks"
+    checked = {
+        kernel
+        for arch, kernel, dtype, *_ in (p.values for p in COMPILE_MATRIX)
+        if (arch, dtype) == ("sm_90", ct.bfloat16)
+    }
+    assert checked == set(VARIANTS), f"without an sm_90 bf16 compile and SASS check: {set(VARIANTS) - checked}"
+    for name in (name for name, variant in VARIANTS.items() if variant.default):
+        for arch in ARCHS:
+            assert all(configs.candidates(name, arch, d, 2) for d in HEAD_DIM_TILES), f"{name}: no full {arch} table"
+    lse_grad_only = {name for name in VARIANTS if sass.takes(name, "lse_grad") and name not in MODIFIABLE}
+    assert {param.values[0] for param in MODIFIED_MATRIX} == set(MODIFIABLE) | lse_grad_only
+    cases = sass.fingerprint_cases()
+    assert {name for name, _, _ in cases} == set(VARIANTS), "a variant without an sm_90 table at D=64 or 128"
+    stored = set(sass.stored())
+    expected = {sass.fingerprint_name(*case) for case in cases}
+    assert stored == expected, (
+        f"stored fingerprints differ from the variants: missing {sorted(expected - stored)}, "
+        f"stale {sorted(stored - expected)}; python -m tests.ops.sass fingerprints --update"
+    )

@@ -1,8 +1,7 @@
-"""The reading of matmul waits from SASS (tests/ops/matmul_waits.py, aot.matmuls_serialized), on
+"""The reading of matmul waits from SASS (tests/ops/sass.py: matmul_waits, matmuls_serialized), on
 hand-written listings."""
 
-from tests.ops.aot import matmuls_serialized
-from tests.ops.matmul_waits import Wait, matmul_waits, summary
+from tests.ops.sass import Wait, matmul_waits, matmuls_serialized, summary
 
 
 def _listing(*instructions: str) -> str:
