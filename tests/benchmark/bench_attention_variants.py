@@ -3,6 +3,7 @@ ALiBi, all together): forward, backward and forward + backward, each against our
 attention measured in the same run.
 
     python tests/benchmark/bench_attention_variants.py --seqlens 4096 --options softcap
+    python tests/benchmark/bench_attention_variants.py --head-dims 64 --gqa 8 --options sinks window128 window128-sinks
     python tests/benchmark/bench_attention_variants.py --out bench-out/mine
     python tests/benchmark/bench_attention_variants.py --replot docs/benchmarks/h100/attention_variants.json
 
@@ -24,8 +25,9 @@ from tests.benchmark.bench_utils import OPTIONS, Shape  # noqa: E402
 PREFIX = "attention_variants"
 
 
-def variant_shapes(head_dims, causal_options, seqlens, options) -> list[Shape]:
-    """16384 tokens, hidden 2048, bf16: plain attention and each option."""
+def variant_shapes(head_dims, causal_options, seqlens, options, gqa: int = 1) -> list[Shape]:
+    """16384 tokens, hidden 2048, bf16: plain attention and each option; gqa query heads per
+    key/value head."""
     result = []
     for head_dim in head_dims:
         heads = bench_utils.HIDDEN // head_dim
@@ -33,7 +35,8 @@ def variant_shapes(head_dims, causal_options, seqlens, options) -> list[Shape]:
             for seqlen in seqlens:
                 batch = max(1, bench_utils.TOKENS // seqlen)
                 for option in ("", *options):
-                    result.append(Shape(batch, heads, heads, seqlen, seqlen, head_dim, causal, "bfloat16", option))
+                    shape = Shape(batch, heads, heads // gqa, seqlen, seqlen, head_dim, causal, "bfloat16", option)
+                    result.append(shape)
     return result
 
 
@@ -45,8 +48,9 @@ def main() -> None:
     p.add_argument("--causal", choices=("both", "true", "false"), default="true", help="causal, full or both")
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384],
                    help="sequence lengths; batch = 16384 // seqlen")  # fmt: skip
-    p.add_argument("--options", nargs="+", choices=OPTIONS, default=list(OPTIONS),
+    p.add_argument("--options", nargs="+", choices=OPTIONS, default=list(OPTIONS[:6]),
                    help="score modifiers, each timed beside plain attention")  # fmt: skip
+    p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for the JSON file and the figures")
     p.add_argument("--replot", nargs="+", type=Path, metavar="JSON",
                    help=f"measure nothing: redraw the figures and print the tables of earlier {PREFIX}.json "
@@ -55,7 +59,8 @@ def main() -> None:
     if args.replot:
         results, metas = bench_utils.replot_results(p, args.replot, PREFIX)
     else:
-        shape_list = variant_shapes(args.head_dims, bench_utils.causal_options(args.causal), args.seqlens, args.options)
+        causal = bench_utils.causal_options(args.causal)
+        shape_list = variant_shapes(args.head_dims, causal, args.seqlens, args.options, args.gqa)
         started = time.perf_counter()
         results = bench_utils.run_all(args.modes, ["cutile"], shape_list)
         meta = {"benchmark": PREFIX, **bench_utils._environment()}

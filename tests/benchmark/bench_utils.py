@@ -77,9 +77,20 @@ def shapes(head_dims, causal_options, dtypes, seqlens=SEQLENS, gqa=False) -> lis
 
 # Each option's keyword arguments, as a model would use them: a trainable full bias, a key
 # padding mask (one row per batch, no grad), a 1024-key sliding window, Gemma 2's softcap 30,
-# ALiBi with the usual geometric slopes, and all of them together.
-OPTIONS = ("bias", "bias-row", "window", "softcap", "alibi", "all")
+# ALiBi with the usual geometric slopes, all of them together, and gpt-oss's layers: learnable
+# sinks alone, and with a 128-key window, beside the same window without sinks.
+OPTIONS = ("bias", "bias-row", "window", "softcap", "alibi", "all", "sinks", "window128", "window128-sinks")
 WINDOW = 1024
+SHORT_WINDOW = 128
+
+
+def option_window(shape: "Shape") -> tuple[int, int] | None:
+    """The sliding window an option sets, None for none."""
+    if shape.option in ("window", "all"):
+        return (WINDOW, 0 if shape.causal else WINDOW)
+    if shape.option in ("window128", "window128-sinks"):
+        return (SHORT_WINDOW, 0 if shape.causal else SHORT_WINDOW)
+    return None
 
 
 def option_kwargs(shape: Shape) -> dict:
@@ -93,7 +104,10 @@ def option_kwargs(shape: Shape) -> dict:
     def slopes():
         return torch.tensor([2.0 ** (-8 * (h + 1) / shape.q_heads) for h in range(shape.q_heads)], device="cuda")
 
-    window = (WINDOW, 0 if shape.causal else WINDOW)
+    def sinks():
+        return torch.randn(shape.q_heads, device="cuda", requires_grad=True)
+
+    window = option_window(shape)
     return {
         "": lambda: {},
         "bias": lambda: {"attn_bias": bias(shape.seqlen_q, shape.q_heads, True)},
@@ -107,6 +121,9 @@ def option_kwargs(shape: Shape) -> dict:
             "softcap": 30.0,
             "alibi_slopes": slopes(),
         },
+        "sinks": lambda: {"sinks": sinks()},
+        "window128": lambda: {"window_size": window},
+        "window128-sinks": lambda: {"window_size": window, "sinks": sinks()},
     }[shape.option]()
 
 
@@ -118,6 +135,8 @@ def _sliced_kwargs(kwargs: dict, heads: int, rows: int) -> dict:
         sliced["attn_bias"] = bias[:, :, -rows:] if bias.shape[2] > 1 else bias
     if "alibi_slopes" in kwargs:
         sliced["alibi_slopes"] = kwargs["alibi_slopes"][:heads]
+    if "sinks" in kwargs:
+        sliced["sinks"] = kwargs["sinks"].detach()[:heads]
     return sliced
 
 
@@ -144,10 +163,7 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int,
 
 def flops(mode: str, shape: Shape) -> float:
     """Matmul FLOPs: 4 * B * Hq * D per unmasked pair for the forward (QK^T and PV), scaled by mode."""
-    window = None
-    if shape.option in ("window", "all"):
-        window = (WINDOW, 0 if shape.causal else WINDOW)
-    pairs = visible_pairs(shape.seqlen_q, shape.seqlen_k, shape.causal, window)
+    pairs = visible_pairs(shape.seqlen_q, shape.seqlen_k, shape.causal, option_window(shape))
     return 4.0 * shape.batch * shape.q_heads * shape.head_dim * pairs * MODE_FLOP_FACTOR[mode]
 
 
@@ -595,6 +611,9 @@ OPTION_LABELS = {
     "softcap": "softcap 30",
     "alibi": "ALiBi",
     "all": "padding bias, window, softcap, ALiBi",
+    "sinks": "learnable sinks with dSink",
+    "window128": f"sliding window {SHORT_WINDOW}",
+    "window128-sinks": f"sliding window {SHORT_WINDOW} and sinks",
 }
 _MODES = tuple(MODE_FLOP_FACTOR)
 

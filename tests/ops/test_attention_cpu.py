@@ -297,7 +297,8 @@ def test_op_launch_arguments_match_kernel_parameters(monkeypatch, batch):
     out, lse = launch.forward(q, k, v, problem, with_lse=True)
     inference_out, _ = launch.forward(q, k, v, problem, with_lse=False)
     d_out = torch.randn_like(q)
-    dq, dk, dv, _ = launch.backward(d_out, q, k, v, out, lse, problem)
+    gradients = launch.backward(d_out, q, k, v, out, lse, problem)
+    dq, dk, dv = gradients.dq, gradients.dk, gradients.dv
 
     arrays = {"Q": q, "K": k, "V": v, "Out": out, "Lse": lse, "dOut": d_out, "dQ": dq, "dK": dk, "dV": dv}
     launched = [name for name, *_ in _RecordingLauncher.launches]
@@ -446,7 +447,8 @@ def test_op_fused_backward_arguments(monkeypatch, q_heads):
     import inspect
 
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
-    names, launches, (dq, dk, dv, _) = _recorded_backward(monkeypatch, q_heads=q_heads)  # causal
+    names, launches, gradients = _recorded_backward(monkeypatch, q_heads=q_heads)  # causal
+    dq, dk, dv = gradients.dq, gradients.dk, gradients.dv
     grouped = q_heads > 2
     name = configs.BACKWARD_FUSED_GROUPED if grouped else configs.BACKWARD_FUSED
     assert names == [configs.BACKWARD_PREPROCESS, name]

@@ -16,10 +16,10 @@ def _fake(*shape, dtype=torch.bfloat16):
 def test_attention_operator_shapes(dtype):
     with FakeTensorMode():
         q, kv = _fake(2, 8, 300, 64, dtype=dtype), _fake(2, 2, 301, 64, dtype=dtype)
-        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, True, None, None, True)
+        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, None, True, None, None, True)
         assert (out.shape, out.dtype, out.is_contiguous()) == (q.shape, dtype, True)
         assert (lse.shape, lse.dtype) == ((2, 8, 300), torch.float64 if dtype == torch.float64 else torch.float32)
-        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, True, None, None, False)
+        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, None, True, None, None, False)
         assert out.shape == q.shape and lse.numel() == 0
 
 
@@ -27,12 +27,15 @@ def test_attention_backward_operator_shapes():
     with FakeTensorMode():
         q, kv = _fake(2, 4, 77, 128), _fake(2, 4, 93, 128)
         bias = _fake(1, 4, 1, 93, dtype=torch.float32)
-        out, lse = torch.ops.tilegym.attention(q, kv, kv, bias, None, 0.5, False, [10, 3], 20.0, True)
-        args = (out, q, kv, kv, out, lse, bias, None, 0.5, False, [10, 3], 20.0)
-        dq, dk, dv, d_bias = torch.ops.tilegym.attention_backward(*args, True)
+        sinks = _fake(4, dtype=torch.bfloat16)
+        out, lse = torch.ops.tilegym.attention(q, kv, kv, bias, None, sinks, 0.5, False, [10, 3], 20.0, True)
+        args = (out, lse, q, kv, kv, out, lse, bias, None, sinks, 0.5, False, [10, 3], 20.0)
+        dq, dk, dv, d_bias, d_sinks = torch.ops.tilegym.attention_backward(*args, True, True)
         assert [t.shape for t in (dq, dk, dv)] == [q.shape, kv.shape, kv.shape]
         assert (d_bias.shape, d_bias.dtype) == (bias.shape, torch.float32)
-        assert torch.ops.tilegym.attention_backward(*args, False)[3].numel() == 0
+        assert (d_sinks.shape, d_sinks.dtype) == (sinks.shape, torch.bfloat16)
+        _, _, _, d_bias, d_sinks = torch.ops.tilegym.attention_backward(*args, False, False)
+        assert d_bias.numel() == 0 and d_sinks.numel() == 0
 
 
 @pytest.mark.parametrize(
@@ -54,5 +57,5 @@ def test_attention_operator_checks_its_arguments(change, error, match):
         bias = _fake(*change["bias_shape"]) if "bias_shape" in change else None
         with pytest.raises(error, match=match):
             torch.ops.tilegym.attention(
-                q, kv, kv, bias, None, None, False, change.get("window"), change.get("softcap"), True
+                q, kv, kv, bias, None, None, None, False, change.get("window"), change.get("softcap"), True
             )

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.ops.test_attention_cpu import _RecordingLauncher
+from tilegym import tile_fmha_with_backward
 from tilegym.ops.attention import configs, launch, score_mods
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_reference, causal_mask, window_mask
@@ -210,7 +211,9 @@ def test_op_launch_arguments_with_modifiers(monkeypatch):
     problem = problem_mod.AttentionProblem(batch, 4, 2, 40, 24, 64, torch.bfloat16, 0.125, False, mods)
     tensors = score_mods.ModTensors(kernel_bias, score_mods.check_alibi(slopes, q, 4))
     out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=tensors)
-    *_, d_bias = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=True)
+    d_bias = launch.backward(
+        torch.randn_like(q), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=True
+    ).d_bias
     assert d_bias.shape == bias.shape and d_bias.dtype == bias.dtype
 
     for name, kernel, grid, args, _config in _RecordingLauncher.launches:
@@ -268,3 +271,68 @@ def test_op_reference_rows_hidden_by_bias():
     assert torch.equal(out[0, 0, 1], torch.zeros(8, dtype=torch.float64)) and lse[0, 0, 1] == -math.inf
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v, bias))
+
+
+# ---- sinks ------------------------------------------------------------------------------------
+
+
+def test_op_reference_sinks_join_the_softmax_denominator():
+    """The reference's sinks against a softmax over the scores plus one column per head."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8, dtype=torch.float64), *torch.randn(2, 2, 1, 7, 8, dtype=torch.float64)
+    sinks = torch.randn(3, dtype=torch.float64)
+    out, lse = attention_reference(q, k, v, is_causal=True, sinks=sinks)  # GQA 3:1
+    k, v = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+    scores = scores.masked_fill(~causal_mask(5, 7), -math.inf)
+    with_sink = torch.cat([scores, sinks.reshape(1, 3, 1, 1).expand(2, 3, 5, 1)], dim=-1)
+    probs = torch.softmax(with_sink, dim=-1)
+    torch.testing.assert_close(out, probs[..., :-1] @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(with_sink, dim=-1))
+
+
+def test_op_reference_sinks_on_rows_without_keys():
+    """A row that sees no key puts all its mass on the sink: output 0, LSE the sink's logit;
+    a -inf sink is no sink at all."""
+    q, k, v = torch.randn(1, 2, 6, 8, dtype=torch.float64), *torch.randn(2, 1, 2, 2, 8, dtype=torch.float64)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    out, lse = attention_reference(q, k, v, is_causal=True, sinks=sinks)
+    assert torch.equal(out[:, :, :4], torch.zeros_like(out[:, :, :4]))
+    assert torch.equal(lse[0, :, 0], sinks.detach())
+    (out.sum() + lse.sum()).backward()
+    assert torch.isfinite(sinks.grad).all()
+    plain_out, plain_lse = attention_reference(q, k, v, is_causal=True)
+    no_sink_out, no_sink_lse = attention_reference(q, k, v, is_causal=True, sinks=torch.full((2,), -math.inf))
+    assert torch.equal(no_sink_out, plain_out) and torch.equal(no_sink_lse, plain_lse)
+
+
+@pytest.mark.parametrize(
+    "sinks, error, message",
+    [
+        ([0.0, 1.0], TypeError, "sinks must be a torch.Tensor"),
+        (torch.zeros(2, dtype=torch.int64), TypeError, "sinks must be a floating-point tensor"),
+        (torch.zeros(3), ValueError, r"sinks must have shape \[q heads\] = \[2\], got \[3\]"),
+        (torch.zeros(1, 2), ValueError, r"sinks must have shape \[q heads\]"),
+        (torch.zeros(2, device="meta"), ValueError, "sinks must be on q's device"),
+    ],
+    ids=["list", "int", "length", "rank", "device"],
+)
+def test_op_sinks_checked(sinks, error, message):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(error, match=message):
+        score_mods.check_sinks(sinks, q, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_op_sinks_kernel_dtype(dtype):
+    """The kernels read sinks in their accumulators' dtype: float32, float64 for float64 inputs."""
+    q = torch.randn(1, 2, 4, 8, dtype=dtype)
+    kernel_sinks = score_mods.check_sinks(torch.randn(2, dtype=torch.bfloat16), q, 2)
+    assert kernel_sinks.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert kernel_sinks.is_contiguous()
+
+
+def test_op_return_lse_must_be_a_bool():
+    q = k = v = torch.randn(1, 1, 4, 64)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        tile_fmha_with_backward(q, k, v, return_lse=1)

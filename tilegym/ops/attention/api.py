@@ -1,4 +1,4 @@
-"""The public attention functions: argument checks happen in problem.check_inputs, before any launch.
+"""The public attention functions; argument checks happen in problem.check_inputs, before any launch.
 
 Shapes: q ``[B, Hq, Sq, D]``; k, v ``[B, Hkv, Sk, D]`` with Hq a multiple of Hkv (GQA/MQA: query
 head h reads key/value head ``h // (Hq // Hkv)``); the output is shaped and typed like q. Any
@@ -26,7 +26,13 @@ Score modifiers, keyword arguments of every function (score_mods.py has the exac
 - softcap: scores become ``softcap * tanh(scores / softcap)`` before the bias (Gemma 2); 0 or
   None: none.
 - alibi_slopes: float32 ``[Hq]`` or ``[B, Hq]``; adds ``-slope * |i + d - j|``, no gradient.
+- sinks: ``[Hq]``, one logit per query head that joins every row's softmax denominator without
+  a value (gpt-oss): ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``. The LSE includes
+  it, so a row that sees no key has LSE ``sink_h``. It receives a gradient when it requires one,
+  summed over batch and rows in a fixed order.
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -51,6 +57,7 @@ def tile_fmha(
     window_size: Window = None,
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention output for inference: no LSE is written and nothing is saved for backward.
 
@@ -60,6 +67,8 @@ def tile_fmha(
         scaling: the softmax scale (SDPA's ``scale``); None: ``1 / sqrt(D)``.
         is_causal: bottom-right causal masking. Defaults to True (SDPA: False).
         attn_bias, window_size, softcap, alibi_slopes: score modifiers (see the module docstring).
+        sinks: ``[Hq]`` one learnable logit per query head that joins each row's softmax
+            denominator (gpt-oss); any float dtype, read as float32.
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype.
@@ -70,10 +79,11 @@ def tile_fmha(
         k, v = (torch.randn(2, 4, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         out = tile_fmha(q, k, v, is_causal=True)  # GQA 4:1
     """
+    mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     if torch.compiler.is_compiling():
-        out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, False, False)
+        out, _ = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=False, differentiable=False)
         return out
-    problem, mod_tensors = check_inputs(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes)
+    problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
     out, _ = launch.forward(q, k, v, problem, with_lse=False, mod_tensors=mod_tensors)
     return out
 
@@ -89,16 +99,19 @@ def fmha_forward_with_lse(
     window_size: Window = None,
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) for inference; arguments as tile_fmha.
 
     lse is float32 ``[B, Hq, Sq]``: the natural log of the sum, over the keys a row sees, of
-    exp(scaled score); -inf for a row that sees no key. No gradient flows.
+    exp(scaled score), the sink's exp included; -inf for a row that sees no key (without sinks).
+    No gradient flows: tile_fmha_with_backward(..., return_lse=True) is the differentiable form.
     """
+    mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     if torch.compiler.is_compiling():
-        out, lse = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, False)
+        out, lse = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=True, differentiable=False)
         return out, lse.to(torch.float32)
-    problem, mod_tensors = check_inputs(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes)
+    problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
     out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
     return out, lse.to(torch.float32)
 
@@ -114,9 +127,16 @@ def tile_fmha_with_backward(
     window_size: Window = None,
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
-) -> Tensor:
-    """Attention output for training, differentiable with respect to q, k, v and attn_bias;
-    arguments as tile_fmha.
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention output for training, differentiable with respect to q, k, v, attn_bias and
+    sinks; arguments as tile_fmha.
+
+    return_lse: return ``(out, lse)``, gradients flowing from both. lse is the natural log of each
+    row's softmax denominator, ``[B, Hq, Sq]`` float32 (float64 for float64 inputs), -inf for a
+    row that sees no key (without sinks). Its gradient folds into the backward at no extra pass:
+    merging attention computed over chunks (context parallelism) needs it.
 
     Example::
 
@@ -125,15 +145,19 @@ def tile_fmha_with_backward(
         out = tile_fmha_with_backward(q, k, v)  # causal
         out.sum().backward()                    # q.grad, k.grad, v.grad
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     if torch.compiler.is_compiling():
-        out, _ = _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, True, True)
-        return out
-    problem, mod_tensors = check_inputs(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes)
-    if _needs_grad(q, k, v, attn_bias):
+        out, lse = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=True, differentiable=True)
+        return (out, lse) if return_lse else out
+    problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
+    if _needs_grad(q, k, v, attn_bias, sinks):
         # The backward's kernels compile in the background while the forward's kernel compiles.
         bias_grad = attn_bias is not None and attn_bias.requires_grad
         launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad)
-    return AttentionFunction.apply(q, k, v, attn_bias, problem, mod_tensors)
+    out, lse = AttentionFunction.apply(q, k, v, attn_bias, sinks, problem, mod_tensors)
+    return (out, lse) if return_lse else out
 
 
 def tile_fmha_functional(
@@ -148,18 +172,43 @@ def tile_fmha_functional(
     window_size: Window = None,
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
-) -> Tensor:
-    """tile_fmha_with_backward or tile_fmha, by training: True, the differentiable path; False,
-    the inference kernel; None, the differentiable path iff grad mode is on and any of q, k, v,
-    attn_bias requires grad. Other arguments as tile_fmha."""
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """tile_fmha_with_backward or the inference kernels, by training: True, the differentiable
+    path; False, the inference kernels (tile_fmha, or fmha_forward_with_lse with return_lse);
+    None, the differentiable path iff grad mode is on and any of q, k, v, attn_bias, sinks
+    requires grad. Other arguments as tile_fmha_with_backward."""
     if training is None:
-        training = _needs_grad(q, k, v, attn_bias)
+        training = _needs_grad(q, k, v, attn_bias, sinks)
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
-    mods = {"attn_bias": attn_bias, "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes}
+    mods = {
+        "attn_bias": attn_bias, "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,
+        "sinks": sinks,
+    }  # fmt: skip
     if training:
-        return tile_fmha_with_backward(q, k, v, scaling, is_causal, **mods)
+        return tile_fmha_with_backward(q, k, v, scaling, is_causal, return_lse=return_lse, **mods)
+    if return_lse:
+        return fmha_forward_with_lse(q, k, v, scaling, is_causal, **mods)
     return tile_fmha(q, k, v, scaling, is_causal, **mods)
+
+
+@dataclass(frozen=True)
+class _Mods:
+    """The score-modifier arguments of one call, as the caller gave them."""
+
+    attn_bias: Tensor | None
+    window_size: Window
+    softcap: float | None
+    alibi_slopes: Tensor | None
+    sinks: Tensor | None
+
+    def check(self, q, k, v, scaling, is_causal):
+        return check_inputs(
+            q, k, v, scaling, is_causal, self.attn_bias, self.window_size, self.softcap, self.alibi_slopes,
+            sinks=self.sinks,
+        )  # fmt: skip
 
 
 def _needs_grad(*tensors) -> bool:
@@ -167,14 +216,16 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _custom_op(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, with_lse, differentiable):
+def _custom_op(q, k, v, scaling, is_causal, mods: _Mods, with_lse: bool, differentiable: bool):
     """The call as custom_ops.attention, which torch.compile keeps in its graph; the operator
     checks its arguments. Without differentiable, no gradient flows (as in the eager inference
     path)."""
-    tensors = (q, k, v, attn_bias, alibi_slopes)
+    tensors = (q, k, v, mods.attn_bias, mods.alibi_slopes, mods.sinks)
     if not differentiable:
         tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
-    q, k, v, attn_bias, alibi_slopes = tensors
+    q, k, v, attn_bias, alibi_slopes, sinks = tensors
     # The schema takes a list of ints; anything else fails its check, which names the argument.
-    window = list(window_size) if isinstance(window_size, tuple) else window_size
-    return custom_ops.attention(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window, softcap, with_lse)
+    window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
+    return custom_ops.attention(
+        q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window, mods.softcap, with_lse
+    )  # fmt: skip

@@ -8,25 +8,33 @@ from tilegym.ops.attention.score_mods import ModTensors
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, out and the LSE; the backward recomputes the probabilities from them.
+    """(out, lse), differentiable in q, k, v, attn_bias and sinks through both outputs. Saves q,
+    k, v, out and the LSE; the backward recomputes the probabilities from them.
 
-    attn_bias is an input so that it can receive a gradient; the kernels read mod_tensors,
-    its normalized view, and the ALiBi slopes from there (they take no gradient).
+    attn_bias and sinks are inputs so that they can receive a gradient; the kernels read
+    mod_tensors, their normalized views, and the ALiBi slopes from there (no gradient).
+    A gradient of the LSE folds into the backward's row statistic: dLSE_i adds dLSE_i * P_ij
+    to each score's gradient, which is Delta_i - dLSE_i in place of Delta_i.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, problem: AttentionProblem, mod_tensors: ModTensors):
+    def forward(ctx, q, k, v, attn_bias, sinks, problem: AttentionProblem, mod_tensors: ModTensors):
         out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         ctx.mod_tensors = mod_tensors
-        return out
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
+        return out, lse
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        bias_grad = ctx.needs_input_grad[3]
-        dq, dk, dv, d_bias = launch.backward(
-            d_out, q, k, v, out, lse, ctx.problem, mod_tensors=ctx.mod_tensors, bias_grad=bias_grad
-        )
-        return dq, dk, dv, d_bias, None, None
+        if d_out is None:  # only the LSE was used
+            d_out = torch.zeros_like(out)
+        grads = launch.backward(
+            d_out, q, k, v, out, lse, ctx.problem, mod_tensors=ctx.mod_tensors,
+            bias_grad=ctx.needs_input_grad[3], d_lse=d_lse, sinks_grad=ctx.needs_input_grad[4],
+        )  # fmt: skip
+        d_sinks = None if grads.d_sinks is None else grads.d_sinks.to(ctx.sinks_dtype)
+        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None

@@ -20,10 +20,10 @@ from tilegym.ops.attention.problem import check_inputs
 _NAMESPACE = "tilegym"
 
 
-def _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad):
+def _problem(q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, bias_grad):
     return check_inputs(
         q, k, v, scaling, is_causal, attn_bias, None if window_size is None else tuple(window_size), softcap,
-        alibi_slopes, bias_grad=bias_grad,
+        alibi_slopes, bias_grad=bias_grad, sinks=sinks,
     )  # fmt: skip
 
 
@@ -40,6 +40,7 @@ def attention(
     v: Tensor,
     attn_bias: Tensor | None,
     alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
     scaling: float | None,
     is_causal: bool,
     window_size: list[int] | None,
@@ -47,15 +48,16 @@ def attention(
     with_lse: bool,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse); lse is empty unless with_lse."""
-    args = (q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap)
+    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap)
     problem, mod_tensors = _problem(*args, bias_grad=False)
     out, lse = launch.forward(q, k, v, problem, with_lse=with_lse, mod_tensors=mod_tensors)
     return out, _absent(q) if lse is None else lse
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, with_lse):
-    problem, _ = _problem(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad=False)
+def _attention_fake(q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse):
+    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap)
+    problem, _ = _problem(*args, bias_grad=False)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, launch.row_stat(problem, q.device) if with_lse else _absent(q)
 
@@ -63,6 +65,7 @@ def _attention_fake(q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window
 @torch.library.custom_op(f"{_NAMESPACE}::attention_backward", mutates_args=())
 def attention_backward(
     d_out: Tensor,
+    d_lse: Tensor | None,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -70,44 +73,58 @@ def attention_backward(
     lse: Tensor,
     attn_bias: Tensor | None,
     alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
     scaling: float | None,
     is_causal: bool,
     window_size: list[int] | None,
     softcap: float | None,
     bias_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d_bias); d_bias is empty unless bias_grad."""
-    args = (q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap)
+    sinks_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_bias, d_sinks); d_bias is empty unless bias_grad, d_sinks unless sinks_grad."""
+    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap)
     problem, mod_tensors = _problem(*args, bias_grad=bias_grad)
-    dq, dk, dv, d_bias = launch.backward(
-        d_out, q, k, v, out, lse, problem, mod_tensors=mod_tensors, bias_grad=bias_grad
+    grads = launch.backward(
+        d_out, q, k, v, out, lse, problem, mod_tensors=mod_tensors, bias_grad=bias_grad, d_lse=d_lse,
+        sinks_grad=sinks_grad,
     )  # fmt: skip
-    return dq, dk, dv, _absent(q) if d_bias is None else d_bias
+    d_bias = _absent(q) if grads.d_bias is None else grads.d_bias
+    d_sinks = _absent(q) if grads.d_sinks is None else grads.d_sinks.to(sinks.dtype)
+    return grads.dq, grads.dk, grads.dv, d_bias, d_sinks
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(
-    d_out, q, k, v, out, lse, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, bias_grad
-):
+    d_out, d_lse, q, k, v, out, lse, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap,
+    bias_grad, sinks_grad,
+):  # fmt: skip
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     d_bias = attn_bias.new_empty(attn_bias.shape) if bias_grad else _absent(q)  # contiguous, as summed
-    return (*grads, d_bias)
+    d_sinks = sinks.new_empty(sinks.shape) if sinks_grad else _absent(q)
+    return (*grads, d_bias, d_sinks)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, alibi_slopes, scaling, is_causal, window_size, softcap, with_lse = inputs
+    q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_bias, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, attn_bias, alibi_slopes, sinks)
+    ctx.set_materialize_grads(False)  # an unused LSE's gradient arrives as None, not zeros
     ctx.settings = (scaling, is_causal, window_size, softcap)
 
 
-def _backward(ctx, d_out, _d_lse):
-    q, k, v, out, lse, attn_bias, alibi_slopes = ctx.saved_tensors
-    bias_grad = ctx.needs_input_grad[3]
-    dq, dk, dv, d_bias = attention_backward(
-        d_out, q, k, v, out, lse, attn_bias, alibi_slopes, *ctx.settings, bias_grad
+def _backward(ctx, d_out, d_lse):
+    q, k, v, out, lse, attn_bias, alibi_slopes, sinks = ctx.saved_tensors
+    bias_grad, sinks_grad = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    if d_lse is not None and d_lse.shape != lse.shape:  # the empty LSE of a call without one
+        d_lse = None
+    dq, dk, dv, d_bias, d_sinks = attention_backward(
+        d_out, d_lse, q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *ctx.settings, bias_grad, sinks_grad
     )  # fmt: skip
-    return dq, dk, dv, d_bias if bias_grad else None, None, None, None, None, None, None
+    d_bias = d_bias if bias_grad else None
+    d_sinks = d_sinks if sinks_grad else None
+    return dq, dk, dv, d_bias, None, d_sinks, None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

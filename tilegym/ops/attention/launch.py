@@ -109,8 +109,18 @@ def _placeholder_slopes(device: torch.device) -> torch.Tensor:
 
 @cache
 def _placeholder_row_stat(device: torch.device) -> torch.Tensor:
-    """The forward's Lse argument when it writes none."""
+    """An array argument a kernel does not touch under its switches (the forward's Lse when it
+    writes none, the sinks' gradient, the LSE's gradient)."""
     return torch.zeros((1, 1, 1), dtype=torch.float32, device=device)
+
+
+def _sinks_argument(tensors: ModTensors, device) -> torch.Tensor:
+    return _placeholder_sinks(device) if tensors.sinks is None else tensors.sinks
+
+
+@cache
+def _placeholder_sinks(device: torch.device) -> torch.Tensor:
+    return torch.zeros((1,), dtype=torch.float32, device=device)
 
 
 def _positive_scale(q: torch.Tensor, problem: AttentionProblem) -> tuple[torch.Tensor, float]:
@@ -157,6 +167,8 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
         "V": v,
         "Out": out,
         "Lse": lse if with_lse else _placeholder_row_stat(device),
+        "Sinks": _sinks_argument(mod_tensors, device),
+        "with_sinks": problem.mods.sinks,
         **split_arguments(qk_scale_log2=softmax_scale * LOG2E),
         **_modifier_arguments(problem, mod_tensors, q),
     }
@@ -164,29 +176,83 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     return out, lse
 
 
-def backward(d_out, q, k, v, out, lse, problem: AttentionProblem, grads=None, mod_tensors=NO_TENSORS, bias_grad=False):
-    """(dq, dk, dv, d_bias) of validated inputs, given the forward's out and lse.
+@dataclass(frozen=True)
+class Gradients:
+    """What backward() returns: d_bias in the caller's bias shape (None without bias_grad),
+    d_sinks in the sinks' kernel dtype (None without sinks_grad)."""
 
-    grads, a (dq, dk, dv) of contiguous tensors, may be given to be written in place.
-    d_bias (with bias_grad) is the gradient of the caller's attn_bias, else None.
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    d_bias: torch.Tensor | None = None
+    d_sinks: torch.Tensor | None = None
+
+
+def backward(
+    d_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    problem: AttentionProblem,
+    grads=None,
+    mod_tensors=NO_TENSORS,
+    bias_grad=False,
+    d_lse=None,
+    sinks_grad=False,
+) -> Gradients:
+    """Gradients of validated inputs, given the forward's out and lse.
+
+    grads, a (dq, dk, dv) of contiguous tensors, may be given to be written in place. d_lse, the
+    gradient of the LSE output (None: none), folds into the row statistics. sinks_grad asks for
+    the sinks' gradient, summed over batch and rows in a fixed order (deterministic).
     """
     dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
-    if not problem.wide_index and index_width.needs_int64(d_out):
+    sinks_grad = sinks_grad and problem.mods.sinks
+    if not problem.wide_index and any(index_width.needs_int64(t) for t in (d_out, d_lse) if t is not None):
         problem = dataclasses.replace(problem, wide_index=True)
     if _backward_is_empty(problem):
         for gradient in (dq, dk, dv, d_bias):
             if gradient is not None:
                 gradient.zero_()
-        return dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors)
+        d_sinks = torch.zeros_like(mod_tensors.sinks) if sinks_grad else None
+        return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     launcher = _Launcher(problem, q.device)
-    steps, targets = _backward_steps(launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors)
+    row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
+    steps, targets = _backward_steps(launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads)
     # Everything is prepared before the first launch: host work between launches would leave
     # the GPU idle after a short one.
     for step in steps:
         launcher.launch(step)
     if targets.dq is not dq:  # the fused backward summed into fp32 targets
         targets.copy_to(dq, dk, dv, problem)
-    return dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors)
+    d_sinks = row_grads.d_sinks_partial.sum(dim=(0, 2)) if sinks_grad else None
+    return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
+
+
+@dataclass(frozen=True)
+class RowGradients:
+    """The backward's per-row extras: the LSE's gradient it folds into Delta (d_lse, None
+    without one), and where the dQ kernel writes each query tile's share of the sinks'
+    gradient ([B, Hq, query tiles of the smallest candidate], zeroed; None without)."""
+
+    d_lse: torch.Tensor | None
+    d_sinks_partial: torch.Tensor | None
+
+
+def _row_gradients(launcher: _Launcher, d_lse, sinks_grad: bool, device) -> RowGradients:
+    problem = launcher.problem
+    if d_lse is not None:
+        stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        d_lse = d_lse.to(stat_dtype).contiguous()
+    partial = None
+    if sinks_grad:
+        block_m = min(config.block_m for config in launcher.candidates(BACKWARD_DQ))
+        tiles = math.ceil(problem.seqlen_q / block_m)
+        stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        partial = torch.zeros((problem.batch, problem.q_heads, tiles), dtype=stat_dtype, device=device)
+    return RowGradients(d_lse, partial)
 
 
 # Problems whose backward was compiled ahead, least recently seen first: bounded, so that a
@@ -215,11 +281,14 @@ def compile_backward_ahead(q, k, v, problem: AttentionProblem, mod_tensors=NO_TE
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = row_stat(problem, q.device)
         dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
-        steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors)
+        steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, _NO_ROW_GRADIENTS)
     except torch.cuda.OutOfMemoryError:
         return
     for step in steps:
         launcher.compile_ahead(step)
+
+
+_NO_ROW_GRADIENTS = RowGradients(None, None)
 
 
 def _backward_is_empty(problem: AttentionProblem) -> bool:
@@ -247,7 +316,7 @@ def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensor
     return (*grads, d_bias)
 
 
-def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors):
+def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads):
     """The backward's launches, in order, and where they write dQ, dK and dV."""
     problem = launcher.problem
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
@@ -255,6 +324,9 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
 
     delta, lse_base2 = row_stat(problem, device), row_stat(problem, device)
     fused = dispatch.fused_backward(problem, launcher.candidates, d_bias is not None)
+    placeholder = _placeholder_row_stat(device)
+    d_lse = row_grads.d_lse
+    lse_grad = {"DLse": placeholder if d_lse is None else d_lse, "lse_grad": d_lse is not None}
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
     targets = _fused_targets(problem, launcher, fused, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
@@ -281,11 +353,22 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
         preprocess = launcher.tuned(
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
-             "block_d": shared["block_d"]},
+             "block_d": shared["block_d"], **lse_grad},
         )  # fmt: skip
         return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
-    dq_step = launcher.tuned(BACKWARD_DQ, {**shared, "Out": out, "Lse": lse, "dQ": targets.dq})
+    sinks = row_grads.d_sinks_partial
+    dq_values = {
+        **shared,
+        "Out": out,
+        "Lse": lse,
+        "dQ": targets.dq,
+        **lse_grad,
+        "Sinks": _sinks_argument(mod_tensors, device),
+        "DSinks": placeholder if sinks is None else sinks,
+        "sinks_grad": sinks is not None,
+    }
+    dq_step = launcher.tuned(BACKWARD_DQ, dq_values)
     return (dq_step, launcher.tuned(BACKWARD_DKDV, dkdv_values)), targets
 
 

@@ -72,19 +72,29 @@ _CHECKED_PLAIN_CALLS_MAX = 1024
 
 
 def check_inputs(
-    q, k, v, scaling, is_causal, attn_bias=None, window_size=None, softcap=None, alibi_slopes=None, bias_grad=None
+    q,
+    k,
+    v,
+    scaling,
+    is_causal,
+    attn_bias=None,
+    window_size=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias_grad=None,
+    sinks=None,
 ) -> tuple[AttentionProblem, ModTensors]:
     """Validate everything before any launch; errors name the argument and what was expected.
 
     bias_grad: whether attn_bias will get a gradient; None reads attn_bias.requires_grad.
     """
-    modified = attn_bias is not None or window_size is not None or softcap is not None or alibi_slopes is not None
+    modified = any(mod is not None for mod in (attn_bias, window_size, softcap, alibi_slopes, sinks))
     key = None if modified else _plain_call_key(q, k, v, scaling, is_causal)
     problem = _checked_plain_calls.get(key) if key is not None else None
     if problem is not None:
         return problem, NO_TENSORS
     problem, mod_tensors = _check_all_inputs(
-        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad
+        q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad, sinks
     )
     # Whether a tensor spanning more than 2**31 bytes needs int64 indexing also depends on its
     # address (index_width), which the key leaves out: such calls are checked in full each time.
@@ -109,7 +119,7 @@ def _plain_call_key(q, k, v, scaling, is_causal) -> tuple | None:
 
 
 def _check_all_inputs(
-    q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad
+    q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad, sinks=None
 ) -> tuple[AttentionProblem, ModTensors]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -149,12 +159,14 @@ def _check_all_inputs(
     window, causal = score_mods.check_window(window_size, is_causal, seqlen_q, seqlen_k)
     bias_mode, bias = score_mods.check_bias(attn_bias, q, seqlen_k, q_heads, bias_grad)
     slopes = score_mods.check_alibi(alibi_slopes, q, q_heads)
+    kernel_sinks = score_mods.check_sinks(sinks, q, q_heads)
     mods = ScoreMods(
         bias_mode=bias_mode,
         bias_shape=None if attn_bias is None else tuple(attn_bias.shape),
         window=window,
         softcap=score_mods.check_softcap(softcap, softmax_scale),
         alibi=slopes is not None,
+        sinks=kernel_sinks is not None,
     )
     _check_index_ranges(q_heads, seqlen_q, seqlen_k)
     sizes = (batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim)
@@ -164,7 +176,7 @@ def _check_all_inputs(
     problem = AttentionProblem(
         batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, causal, mods, wide_index
     )  # fmt: skip
-    return problem, ModTensors(bias, slopes)
+    return problem, ModTensors(bias, slopes, kernel_sinks)
 
 
 def _check_index_ranges(q_heads: int, seqlen_q: int, seqlen_k: int) -> None:

@@ -2,9 +2,10 @@
 
 Computes in float64 by default (any dtype can be asked for), on whatever device the inputs
 are, with the same conventions as the kernels: GQA by repeating K/V heads, bottom-right
-causal masking, the score modifiers of score_mods.py, and rows that see no key (or only -inf
-biases) giving output 0 and LSE -inf. Differentiable (attn_bias included), and the gradients
-of rows that see no key are 0, never NaN.
+causal masking, the score modifiers of score_mods.py (sinks included), and rows that see no key
+(or only -inf biases) giving output 0 and LSE -inf (the sink's logit, with sinks).
+Differentiable (attn_bias and sinks included), and the gradients of rows that see no key are 0,
+never NaN.
 """
 
 import math
@@ -43,8 +44,10 @@ def attention_reference(
     window_size=None,
     softcap=None,
     alibi_slopes=None,
+    sinks=None,
 ):
-    """(out, lse) with out in compute_dtype and lse [B, Hq, Sq] in compute_dtype."""
+    """(out, lse) with out in compute_dtype and lse [B, Hq, Sq] in compute_dtype; differentiable
+    in q, k, v, attn_bias and sinks."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scaling is None else scaling
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
@@ -73,9 +76,16 @@ def attention_reference(
     # Fill masked scores with a finite value first so that no -inf - (-inf) reaches autograd.
     finite_scores = scores.masked_fill(~visible, 0.0)
     row_max = finite_scores.masked_fill(~visible, -torch.inf).amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        # The sink joins each row as one more logit, without a value.
+        sink = sinks.to(compute_dtype).reshape(1, -1, 1, 1).expand_as(row_max)
+        sees_any = sees_any | (sink != -torch.inf)
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(sees_any, row_max, torch.zeros_like(row_max)).detach()
     weights = torch.exp(finite_scores - row_max) * visible
     row_sum = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        row_sum = row_sum + torch.exp(sink - row_max)
     safe_sum = torch.where(sees_any, row_sum, torch.ones_like(row_sum))
     out = torch.matmul(weights / safe_sum, v)
     lse = torch.where(sees_any, row_max + torch.log(safe_sum), torch.full_like(row_sum, -torch.inf))

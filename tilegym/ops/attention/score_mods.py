@@ -1,4 +1,5 @@
-"""Score modifiers: additive bias (with its gradient), sliding window, softcap and ALiBi.
+"""Score modifiers: additive bias (with its gradient), sliding window, softcap, ALiBi and
+learnable sinks (with their gradient).
 
 Validates the keyword arguments of the public functions and turns them into what the
 kernels take: compile-time switches, all off for plain attention (which then compiles to
@@ -9,8 +10,11 @@ In natural units, for query i and key j with d = Sk - Sq (bottom-right alignment
     s = softcap * tanh(s / softcap)                          softcap
     s = s + bias[b, h, i, j] - slope[b, h] * |i + d - j|      attn_bias, alibi_slopes
     query i sees key j iff i + d - left <= j <= i + d + right  window_size=(left, right)
-and causal attention is the window (-1, 0). A row that sees no key, or only -inf biases,
-outputs zeros and has LSE -inf.
+and causal attention is the window (-1, 0). A sink adds one logit per query head to each row's
+softmax denominator, taking probability mass without giving a value:
+    p_ij = exp(s_ij) / (exp(sink[h]) + sum_j' exp(s_ij'))      sinks
+and LSE includes it. A row that sees no key, or only -inf biases, outputs zeros and has LSE
+-inf (without sinks) or sink[h] (with them).
 """
 
 import math
@@ -37,6 +41,7 @@ class ScoreMods:
     window: tuple[int, int] | None = None  # (left, right), -1 unbounded; causal merged in
     softcap: float = 0.0  # 0: off
     alibi: bool = False
+    sinks: bool = False
 
     @property
     def changes_scores(self) -> bool:
@@ -54,6 +59,8 @@ class ScoreMods:
             parts.append("softcap")
         if self.alibi:
             parts.append("alibi")
+        if self.sinks:
+            parts.append("sinks")
         return "".join(f"|{part}" for part in parts)
 
 
@@ -66,6 +73,7 @@ class ModTensors:
 
     bias: torch.Tensor | None = None  # [1 or B, 1 or Hq, 1 or Sq, Sk], unit stride along keys
     slopes: torch.Tensor | None = None  # float32 [1 or B, Hq], contiguous
+    sinks: torch.Tensor | None = None  # float32 (float64 for float64 inputs) [Hq], contiguous
 
 
 NO_TENSORS = ModTensors()
@@ -187,6 +195,26 @@ def check_alibi(alibi_slopes, q: torch.Tensor, q_heads: int) -> torch.Tensor | N
             f"got {list(alibi_slopes.shape)}"
         )
     return alibi_slopes.detach().reshape(-1, q_heads).contiguous()
+
+
+SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_sinks(sinks, q: torch.Tensor, q_heads: int) -> torch.Tensor | None:
+    """sinks, one logit per query head [Hq], as the kernels take it: contiguous float32 (float64
+    for float64 inputs). Its own dtype may be any float dtype; its gradient comes back in it."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in SINK_DTYPES:
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    if tuple(sinks.shape) != (q_heads,):
+        raise ValueError(f"sinks must have shape [q heads] = [{q_heads}], got {list(sinks.shape)}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return sinks.detach().to(dtype).contiguous()
 
 
 def padded_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

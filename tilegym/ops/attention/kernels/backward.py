@@ -32,16 +32,20 @@ from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW
 
 
 @ct.function
-def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt):
+def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt, DLse, lse_grad: ConstBool):
     """RowStats of one query tile, stored and returned as [block_m] tiles in fp32 (fp64 for
     fp64 inputs), the accumulators' dtype.
 
+    With lse_grad, Delta_i is sum_d Out_id dOut_id - dLse_i: the LSE's gradient adds
+    dLse_i * P_ij to each score's gradient P_ij (dP_ij - Delta_i), since dLSE_i/ds_ij = P_ij.
     The base-2 LSE is +inf for a row that saw no key (LSE -inf), which makes its
     probabilities exp2(s - inf) = 0. Converting it here, once per row, keeps that select
     and multiply out of every step of the dK/dV loop.
     """
     acc_dtype = accumulator_dtype(out.dtype)
     delta = ct.sum(out.astype(acc_dtype) * d_out.astype(acc_dtype), axis=1)
+    if lse_grad:
+        delta = delta - load_row_stat(DLse, b, q_head, q_tile, block_m).astype(acc_dtype)
     store_row_stat(Delta, b, q_head, q_tile, delta, block_m)
     lse = load_row_stat(Lse, b, q_head, q_tile, block_m)
     lse_base2 = ct.where(lse == NEG_INF, POS_INF, lse * log2e(lse.dtype))
@@ -49,9 +53,20 @@ def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: Con
     return RowStats(delta, lse_base2)
 
 
+@ct.function
+def _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile):
+    """Adds a query tile's share of dSink: -sum_i P_sink,i Delta_i with P_sink,i =
+    exp(sink - LSE_i), into DSinks[b, q_head, q_tile], summed by the host in a fixed order. Rows
+    past the sequence load Delta 0; a row whose LSE is -inf has base-2 LSE +inf: P_sink 0."""
+    acc_dtype = stats.delta.dtype
+    sink_log2 = ct.load(Sinks, index=(q_head,), shape=(1,)).astype(acc_dtype) * log2e(acc_dtype)
+    share = -ct.sum(exp2(sink_log2 - stats.lse_base2) * stats.delta)
+    ct.store(DSinks, index=(b, q_head, q_tile), tile=share.reshape((1, 1, 1)).astype(DSinks.dtype))
+
+
 @CachedKernel
 def attention_backward_preprocess_kernel(
-    Out, dOut, Lse, Delta, LseBase2, block_m: ConstInt, block_d: ConstInt
+    Out, dOut, Lse, Delta, LseBase2, DLse, block_m: ConstInt, block_d: ConstInt, lse_grad: ConstBool
 ):  # fmt: skip
     """The row statistics (_row_stats) for the fused backward, whose dK/dV programs each need
     those of every query tile. The two-kernel backward's dQ kernel writes them instead."""
@@ -60,7 +75,7 @@ def attention_backward_preprocess_kernel(
     b = ct.bid(2)
     out = load_rows(Out, b, q_head, q_tile, block_m, block_d)
     d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_d)
-    _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m)
+    _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
 
 
 @ct.function
@@ -295,6 +310,9 @@ def attention_backward_dq_kernel(
     LseBase2,
     Delta,
     dQ,
+    DLse,
+    Sinks,
+    DSinks,
     softmax_scale: float,
     softmax_scale_lo: float,
     qk_scale_log2: float,
@@ -316,10 +334,14 @@ def attention_backward_dq_kernel(
     capped: ConstBool,
     bias_mode: ConstInt,
     alibi: ConstBool,
+    lse_grad: ConstBool,
+    sinks_grad: ConstBool,
 ):
     """dQ of one query tile, looping over the key tiles it sees; first the tile's row statistics
     (_row_stats), which the dK/dV kernel launched after it reads: no preprocess kernel, and Out
-    costs a load of one tile per program instead of a pass of its own over Out and dOut."""
+    costs a load of one tile per program instead of a pass of its own over Out and dOut.
+    lse_grad: DLse, the LSE's gradient, folds into Delta. sinks_grad: the tile's share of the
+    sinks' gradient goes to DSinks [B, Hq, query tiles]. Unused arrays are placeholders."""
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     lengths = seqlens(Q, K)
     acc_dtype = accumulator_dtype(Q.dtype)
@@ -333,7 +355,9 @@ def attention_backward_dq_kernel(
     q = load_rows(Q, b, q_head, q_tile, block_m, block_d)
     d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_d)
     out = load_rows(Out, b, q_head, q_tile, block_m, block_d)
-    stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m)
+    stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
+    if sinks_grad:
+        _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     d_query = ct.zeros((block_m, block_d), acc_dtype)
 

@@ -21,6 +21,7 @@ from tilegym.ops.attention.kernels.tiles import (
     exp2,
     ln2,
     load_rows,
+    log2e,
     scale,
     seqlens,
     store_row_stat,
@@ -153,6 +154,25 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
     return state
 
 
+@ct.function
+def _with_sink(state, Sinks, q_head, raw_units: ConstBool, qk_scale_log2):
+    """state with the head's sink logit joined to each row's sum, and its row max in base-2
+    units (raw_units: it was in raw products). The sink takes probability mass and gives no
+    value: the accumulator is only rescaled to the new max. A row that saw no key gets the
+    sink alone: its output stays 0, its LSE is the sink."""
+    acc_dtype = state.acc.dtype
+    sink_log2 = ct.load(Sinks, index=(q_head,), shape=(1,)).astype(acc_dtype).reshape((1, 1)) * log2e(acc_dtype)
+    row_max = state.row_max
+    if raw_units:
+        row_max = row_max * qk_scale_log2
+    new_max = ct.maximum(row_max, sink_log2)
+    # A -inf sink on a row that saw no key: subtract 0 instead of -inf.
+    new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
+    rescale = exp2(row_max - new_max_safe)
+    row_sum = state.row_sum * rescale + exp2(sink_log2 - new_max_safe)
+    return ForwardState(new_max, row_sum, state.acc * rescale)
+
+
 @CachedKernel
 def attention_forward_kernel(
     Q,
@@ -179,13 +199,16 @@ def attention_forward_kernel(
     capped: ConstBool,
     bias_mode: ConstInt,
     alibi: ConstBool,
+    Sinks,
+    with_sinks: ConstBool,
     write_lse: ConstBool,
     fixed_max: ConstBool,
 ):
     """One query tile of out = softmax(scores) v; with write_lse also lse = log(sum_j
     exp(score_ij)) (natural log), the backward's statistic. Without it, Lse is not touched (a
     placeholder). fixed_max (plain attention, fp32 accumulators only): see _key_loops.
-    Layout: q, out [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; lse [B, Hq, Sq].
+    with_sinks: each row's denominator also holds exp(Sinks[q_head]) (_with_sink).
+    Layout: q, out [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; lse [B, Hq, Sq]; sinks [Hq].
     """
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     lengths = seqlens(Q, K)
@@ -206,6 +229,9 @@ def attention_forward_kernel(
     tile = ForwardTile(q, K, V, b, kv_head, q_tile, rows, scoring)
     state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
 
+    if with_sinks:
+        state = _with_sink(state, Sinks, q_head, keeps_raw_scores(switches), qk_scale_log2)
+
     # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
     # One reciprocal per row, not a division per element: the division's slow-path checks
     # cost the epilogue a share of a short sequence's time.
@@ -214,7 +240,7 @@ def attention_forward_kernel(
     store_rows(Out, b, q_head, q_tile, out, block_m, block_d)
     if write_lse:
         row_max = state.row_max
-        if keeps_raw_scores(switches):
+        if keeps_raw_scores(switches) and not with_sinks:
             row_max = row_max * qk_scale_log2
         lse = (row_max + ct.log2(row_sum)) * ln2(acc_dtype)
         store_row_stat(Lse, b, q_head, q_tile, lse, block_m)
