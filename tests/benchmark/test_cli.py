@@ -17,6 +17,7 @@ SCRIPTS = [
     "bench_attention_backward.py",
     "bench_attention_variants.py",
     "bench_training_graphs.py",
+    "bench_value_dim.py",
     "compare_configs.py",
     "first_call.py",
     "profile_training_step.py",

@@ -47,7 +47,7 @@ GQA = [
     Case("gqa-8to1", 1, 16, 2, 256, 256, 64),
     Case("mqa", 2, 6, 1, 97, 97, 128),
 ]
-HEAD_DIMS = [Case(f"d{d}", 1, 2, 2, 150, 150, d) for d in (32, 64, 80, 96, 128, 256)]
+HEAD_DIMS = [Case(f"d{d}", 1, 2, 2, 150, 150, d) for d in (32, 64, 80, 96, 128, 192, 256)]
 
 # Our RMS error against the fp64 reference may be at most ERROR_RATIO times PyTorch SDPA's,
 # plus EPS; our max error at most MAX_ERROR_RATIO times SDPA's, plus EPS.

@@ -101,6 +101,7 @@ def signature(
         "block_m": config.block_m,
         "block_n": config.block_n,
         "block_d": configs.head_dim_tile(head_dim),
+        "block_dv": configs.head_dim_tile(head_dim),
         "causal": causal,
         **PLAIN,
         **variant.fixed,

@@ -116,36 +116,44 @@ _SWITCHES = {
     "alibi": {"alibi": True},
     "all": {"bias_mode": 2, "windowed": True, "capped": True, "alibi": True},
 }
-# Only for variants whose kernel takes the switch (the dK/dV kernel writes dBias, the forward
-# reads sinks, the dQ kernel writes their gradient's shares).
-_BIAS_GRADS = {
-    "dbias-per-row": {"bias_mode": 2, "bias_grad": 2},
-    "dbias-one-row": {"bias_mode": 1, "bias_grad": 1},
+# Only for variants whose kernel takes the switch (the dK/dV kernel writes dBias).
+_BIAS_GRADS = {"dbias-per-row": {"bias_mode": 2, "bias_grad": 2}, "dbias-one-row": {"bias_mode": 1, "bias_grad": 1}}
+# Sinks and the LSE's gradient reach plain attention's variants too (the fixed-max forward, the
+# fused backward's preprocess): every variant whose kernel takes the switches.
+_ROW_SWITCHES = {
     "sinks": {"with_sinks": True},
     "sinks-window": {"with_sinks": True, "windowed": True},
-    "sinks-grad": {"sinks_grad": True, "lse_grad": True, "windowed": True},
+    "lse-grad": {"lse_grad": True},
+    "sinks-grad": {"sinks_grad": True, "lse_grad": True},
+    "sinks-grad-window": {"sinks_grad": True, "lse_grad": True, "windowed": True},
 }
 MODIFIABLE = tuple(name for name, variant in VARIANTS.items() if variant.modifiable)
 
 
+def _takes(name: str, switches: dict) -> bool:
+    """Whether a variant takes these switches (a score modifier needs a modifiable variant)."""
+    score_switches = [switch for switch in switches if switch in _SWITCHES["all"]]
+    if score_switches and name not in MODIFIABLE:
+        return False
+    return all(switch in _SWITCHES["all"] or sass.takes(name, switch) for switch in switches)
+
+
 def _compile_modified():
-    for label, switches in {**_SWITCHES, **_BIAS_GRADS}.items():
-        for name in MODIFIABLE:
-            if any(switch not in _SWITCHES["all"] and not sass.takes(name, switch) for switch in switches):
-                continue
+    for label, switches in {**_SWITCHES, **_BIAS_GRADS, **_ROW_SWITCHES}.items():
+        names = MODIFIABLE if label in _SWITCHES else VARIANTS
+        for name in (name for name in names if _takes(name, switches)):
             for head_dim in TUNED_HEAD_DIMS:
                 yield pytest.param(name, ct.bfloat16, head_dim, switches, id=f"{name}-d{head_dim}-{label}")
         for name in MODIFIABLE:
-            takes_all = all(switch in _SWITCHES["all"] or sass.takes(name, switch) for switch in switches)
-            if sass.takes(name, "bias_grad") and takes_all:
+            if sass.takes(name, "bias_grad") and _takes(name, switches) and label not in _ROW_SWITCHES:
                 with_grad = {**switches, "bias_grad": switches.get("bias_mode", 0)}
                 yield pytest.param(name, ct.float64, 64, with_grad, id=f"{name}-d64-fp64-{label}")
-    # The LSE's gradient also reaches plain attention's fused backward, through the preprocess.
-    for name in (n for n in VARIANTS if sass.takes(n, "lse_grad") and n not in MODIFIABLE):
-        for head_dim in TUNED_HEAD_DIMS:
-            yield pytest.param(name, ct.bfloat16, head_dim, {"lse_grad": True}, id=f"{name}-d{head_dim}-lse-grad")
+    for switch in ("with_sinks", "sinks_grad"):
+        for name in (name for name in MODIFIABLE if sass.takes(name, switch)):
+            yield pytest.param(name, ct.float64, 64, {switch: True, "windowed": True}, id=f"{name}-d64-fp64-{switch}")
 
 
+ROW_SWITCH_VARIANTS = {name for name in VARIANTS for switches in _ROW_SWITCHES.values() if _takes(name, switches)}
 MODIFIED_MATRIX = list(_compile_modified())
 
 
@@ -162,6 +170,32 @@ def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches,
         assert cubin.stat().st_size > 0
         if dtype != ct.float64:
             _check_sass(kernel, sass.disassemble(cubin))
+
+
+# V's head dim narrower and wider than Q's (tables by the wider: configs.candidates).
+VALUE_DIMS = [(128, 64), (64, 128), (256, 128)]
+
+
+VALUE_DIM_MATRIX = [
+    pytest.param(name, head_dim, value_dim, id=f"{name}-qk{head_dim}-v{value_dim}")
+    for name in VARIANTS
+    if sass.takes(name, "block_dv")
+    for head_dim, value_dim in VALUE_DIMS
+    if configs.candidates(name, "sm_90", max(head_dim, value_dim), 2)  # variants run only where they have a table
+    # The fused backward runs only where V is no wider than Q (dispatch.fused_backward).
+    and not (VARIANTS[name].fixed.get("sum_dq") and value_dim > head_dim)
+]
+
+
+@slow
+@pytest.mark.parametrize("kernel, head_dim, value_dim", VALUE_DIM_MATRIX)
+def test_op_attention_value_dim_compiles(kernel, head_dim, value_dim, tmp_path):
+    """A V head dim other than Q's compiles for sm_90 with the first config of the wider's table,
+    keeping the SASS checks."""
+    chosen = configs.candidates(kernel, "sm_90", max(head_dim, value_dim), 2)
+    switches = {"block_dv": configs.head_dim_tile(value_dim)}
+    cubin = sass.compile_cubin(kernel, ct.bfloat16, head_dim, chosen[0], True, "sm_90", tmp_path / "k.cubin", switches)
+    _check_sass(kernel, sass.disassemble(cubin))
 
 
 WIDE = tuple(name for name in VARIANTS if _runs_wide(name))
@@ -190,8 +224,7 @@ def test_every_variant_is_covered():
     for name in (name for name, variant in VARIANTS.items() if variant.default):
         for arch in ARCHS:
             assert all(configs.candidates(name, arch, d, 2) for d in HEAD_DIM_TILES), f"{name}: no full {arch} table"
-    lse_grad_only = {name for name in VARIANTS if sass.takes(name, "lse_grad") and name not in MODIFIABLE}
-    assert {param.values[0] for param in MODIFIED_MATRIX} == set(MODIFIABLE) | lse_grad_only
+    assert {param.values[0] for param in MODIFIED_MATRIX} == set(MODIFIABLE) | ROW_SWITCH_VARIANTS
     cases = sass.fingerprint_cases()
     assert {name for name, _, _ in cases} == set(VARIANTS), "a variant without an sm_90 table at D=64 or 128"
     stored = set(sass.stored())

@@ -98,10 +98,11 @@ def _cpu_inputs(q_shape=(1, 4, 16, 64), kv_shape=(1, 2, 16, 64), dtype=torch.bfl
         (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
         (lambda q, k, v: (q, k.int(), v), TypeError, "k has dtype torch.int32"),
         (lambda q, k, v: (q, k.half(), v), TypeError, "share one dtype"),
-        (lambda q, k, v: (q, k, v[:, :, :8]), ValueError, "same shape"),
+        (lambda q, k, v: (q, k, v[:, :, :8]), ValueError, "same batch, heads and length"),
         (lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), ValueError, "batch size"),
         (lambda q, k, v: (q[..., :32], k, v), ValueError, "head dim of q"),
         (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), ValueError, "head dim 48 is not supported"),
+        (lambda q, k, v: (q, k, v[..., :48]), ValueError, "v's head dim 48 is not supported"),
         (lambda q, k, v: (q[:, :3], k, v), ValueError, "multiple of"),
         (lambda q, k, v: (q, k, v), ValueError, "q must be a CUDA tensor"),
     ],
@@ -114,6 +115,7 @@ def _cpu_inputs(q_shape=(1, 4, 16, 64), kv_shape=(1, 2, 16, 64), dtype=torch.bfl
         "batch",
         "head-dim",
         "bad-head-dim",
+        "bad-value-head-dim",
         "gqa",
         "cpu",
     ],
@@ -398,7 +400,15 @@ class _MisalignedView:
 def test_op_allocations_checked_for_int64_indexing(sizes, bias_rows, wide):
     bias_size = 0 if bias_rows is None else 4
     mode = score_mods.BIAS_ONE_ROW if bias_rows == 1 else score_mods.BIAS_PER_ROW
-    assert problem_mod._allocations_need_int64(*sizes, 2, bias_size, mode) is wide
+    head_dim = sizes[-1]
+    assert problem_mod._allocations_need_int64(*sizes, head_dim, 2, bias_size, mode) is wide
+
+
+def test_op_allocations_checked_with_the_wider_value_head_dim():
+    """An output [B, Hq, Sq, Dv] wider than q can pass int32 where q does not."""
+    sizes = (1, 16, 16, 1048000, 200)
+    assert not problem_mod._allocations_need_int64(*sizes, 64, 64, 2, 0, 0)
+    assert problem_mod._allocations_need_int64(*sizes, 64, 256, 2, 0, 0)
 
 
 def test_op_wide_problems_launch_int64_indexed_twins(monkeypatch):

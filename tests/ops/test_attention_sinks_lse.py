@@ -74,7 +74,8 @@ def check(case: Case, dtype, causal: bool, kwargs: dict, lse_grad: bool):
     tolerance = (1e-5 if dtype != torch.float64 else 1e-12) * (1 + ref_lse[~sees_none].abs().max().item())
     assert max_error(lse[~sees_none], ref_lse[~sees_none]) <= tolerance
     ours = (result.dq, result.dk, result.dv) + ((result.d_sinks,) if sinks is not None else ())
-    for name, mine, base, ref in zip(("dq", "dk", "dv", "dsinks"), ours, base_grads, ref_grads, strict=True):
+    names = ("dq", "dk", "dv", "dsinks")[: len(ours)]
+    for name, mine, base, ref in zip(names, ours, base_grads, ref_grads, strict=True):
         assert_close_to_reference(name, mine, base, ref, dtype)
     assert (result.d_sinks is None) == (sinks is None)
 
@@ -103,7 +104,7 @@ def test_op_sinks_dtypes(dtype):
     check(case, dtype, True, {"sinks": _sinks(case)}, lse_grad=True)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 192, 256])
 def test_op_sinks_head_dims(head_dim):
     case = Case(f"d{head_dim}", 1, 4, 2, 150, 170, head_dim)
     check(case, torch.bfloat16, True, {"sinks": _sinks(case), "window_size": (64, 0)}, lse_grad=True)
@@ -126,10 +127,26 @@ def test_op_lse_gradient(name):
 
 @pytest.mark.parametrize("case", [Case("fused", 1, 4, 4, 300, 2100, 64), Case("fused-gqa", 1, 8, 2, 300, 2100, 128)],
                          ids=str)  # fmt: skip
-def test_op_lse_gradient_fused_backward(case, monkeypatch):
-    """The fused backward's preprocess folds the LSE's gradient in too."""
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["lse", "lse-and-sinks"])
+def test_op_lse_gradient_fused_backward(case, with_sinks, monkeypatch):
+    """The fused backward's preprocess folds the LSE's gradient in and writes the sinks' shares."""
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
-    check(case, torch.bfloat16, True, {}, lse_grad=True)
+    check(case, torch.bfloat16, True, {"sinks": _sinks(case)} if with_sinks else {}, lse_grad=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_op_sinks_take_the_plain_kernels(head_dim):
+    """Sinks leave scores and masks as they are: long plain calls keep the fixed-max forward and
+    the fused backward, and agree with the reference."""
+    from tilegym.ops.attention import dispatch
+
+    case = Case("long", 1, 4, 4, 96, 4200, head_dim)
+    q, k, v = make_inputs(case, torch.bfloat16)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, False, sinks=_sinks(case))
+    launcher = launch._Launcher(problem, q.device)
+    assert dispatch.fixed_max_forward(problem, launcher.candidates)
+    assert dispatch.fused_backward(problem, launcher.candidates, False) is not None
+    check(case, torch.bfloat16, False, {"sinks": _sinks(case)}, lse_grad=False)
 
 
 def test_op_sinks_public_api():

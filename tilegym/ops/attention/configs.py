@@ -28,7 +28,7 @@ from tilegym.ops.attention.variants import (
 # Tables are keyed by variant name (variants.py); DEFAULT_VARIANTS have one on every arch.
 KERNELS = DEFAULT_VARIANTS
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
-HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 HEAD_DIM_TILES = (32, 64, 128, 256)
 
 

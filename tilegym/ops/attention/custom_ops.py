@@ -58,7 +58,7 @@ def attention(
 def _attention_fake(q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse):
     args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap)
     problem, _ = _problem(*args, bias_grad=False)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = launch.output(q, problem)
     return out, launch.row_stat(problem, q.device) if with_lse else _absent(q)
 
 

@@ -7,7 +7,6 @@ import torch
 from tilegym import env
 from tilegym.ops.attention import configs
 from tilegym.ops.attention.problem import AttentionProblem
-from tilegym.ops.attention.score_mods import PLAIN
 from tilegym.ops.attention.variants import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED, FORWARD_FIXED_MAX
 
 # The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one from
@@ -35,17 +34,22 @@ def backward_choice() -> str:
 def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> str | None:
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
-    Fused only for plain attention where the arch has a fused table (candidates(name) is not
-    empty), never under torch.use_deterministic_algorithms (the order of the fp32 sums varies
-    between runs); "auto" also needs FUSED_BACKWARD_MIN_SEQLEN_K keys. Causal grouped-query
-    attention takes the grouped form: a program per query head (perf-notes#gqa-program-per-head).
+    Fused only for plain attention (sinks allowed), V no wider than Q, where the arch has a fused
+    table (candidates(name) is not empty), never under torch.use_deterministic_algorithms (the
+    order of the fp32 sums varies between runs); "auto" also needs FUSED_BACKWARD_MIN_SEQLEN_K
+    keys. Causal grouped-query attention takes the grouped form: a program per query head
+    (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
         return None
     grouped = problem.causal and problem.query_group_size > 1
     name = BACKWARD_FUSED_GROUPED if grouped else BACKWARD_FUSED
-    if problem.mods != PLAIN or bias_grad or not candidates(name):
+    if not problem.mods.plain_scores or bias_grad or not candidates(name):
+        return None
+    if problem.value_dim > problem.head_dim:
+        # A V wider than Q adds dV accumulators the fused tables were not sized for: Dqk=64 with
+        # Dv=128 spills on the D=128 table's 64x128 tiles (sm_90, 145 local loads and stores).
         return None
     if choice == "fused" or problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K:
         return name
@@ -54,12 +58,12 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
-    plain attention with enough keys per query for it to win, where the arch has a table for it
+    plain attention (sinks allowed) with enough keys per query for it to win, where the arch has a table for it
     (16-bit inputs; fp32 and fp64 keep the running max). Not with int64 indexing: that twin of
     the fixed-max kernel compiles to a 1.7 MB cubin, where the running-max one is ordinary."""
-    if problem.mods != PLAIN or problem.wide_index or not candidates(FORWARD_FIXED_MAX):
+    if not problem.mods.plain_scores or problem.wide_index or not candidates(FORWARD_FIXED_MAX):
         return False
-    min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.head_dim)]
+    min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.tuning_head_dim)]
     return mean_keys_per_query(problem) >= min_keys
 
 

@@ -14,7 +14,7 @@ from tilegym import autotune, index_width
 from tilegym.launching import TunedLauncher, addressable, arguments_by_name, parameter_names, split_arguments
 from tilegym.ops.attention import configs, dispatch, score_mods
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
-from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, PLAIN, ModTensors, ScoreMods
+from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, ModTensors, ScoreMods
 from tilegym.ops.attention.variants import (
     BACKWARD_DKDV,
     BACKWARD_DQ,
@@ -26,6 +26,11 @@ from tilegym.ops.attention.variants import (
     FORWARD_LSE_FIXED_MAX,
     VARIANTS,
 )
+
+
+def output(q: torch.Tensor, problem: AttentionProblem) -> torch.Tensor:
+    """An uninitialized, contiguous output [B, Hq, Sq, Dv] in q's dtype."""
+    return q.new_empty((*q.shape[:3], problem.value_dim))
 
 
 def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
@@ -51,8 +56,8 @@ class _Launcher(TunedLauncher):
         if forced is not None:
             return forced
         problem = self.problem
-        modified = problem.mods != PLAIN
-        return configs.candidates(kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, modified)
+        modified = not problem.mods.plain_scores
+        return configs.candidates(kernel_name, self.arch, problem.tuning_head_dim, problem.dtype.itemsize, modified)
 
     def tuned(self, name: str, values: dict, before_each=None) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
@@ -99,6 +104,7 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
         "alibi": mods.alibi,
         "query_group_size": problem.query_group_size,
         "block_d": configs.head_dim_tile(problem.head_dim),
+        "block_dv": configs.head_dim_tile(problem.value_dim),
     }
 
 
@@ -143,7 +149,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     q, k, v = addressable(q), addressable(k), addressable(v)
     device = q.device
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = output(q, problem)
     if lse is None and with_lse:
         lse = row_stat(problem, device)
     if problem.is_empty:
@@ -248,7 +254,9 @@ def _row_gradients(launcher: _Launcher, d_lse, sinks_grad: bool, device) -> RowG
         d_lse = d_lse.to(stat_dtype).contiguous()
     partial = None
     if sinks_grad:
-        block_m = min(config.block_m for config in launcher.candidates(BACKWARD_DQ))
+        # Shares of whichever kernel writes the row statistics, at its smallest query tile.
+        names = (BACKWARD_DQ, BACKWARD_PREPROCESS)
+        block_m = min(config.block_m for name in names for config in launcher.candidates(name))
         tiles = math.ceil(problem.seqlen_q / block_m)
         stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
         partial = torch.zeros((problem.batch, problem.q_heads, tiles), dtype=stat_dtype, device=device)
@@ -278,7 +286,7 @@ def compile_backward_ahead(q, k, v, problem: AttentionProblem, mod_tensors=NO_TE
         _compiled_ahead.popitem(last=False)
     launcher = _Launcher(problem, q.device)
     try:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = output(q, problem)
         lse = row_stat(problem, q.device)
         dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
         steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, _NO_ROW_GRADIENTS)
@@ -325,8 +333,15 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
     delta, lse_base2 = row_stat(problem, device), row_stat(problem, device)
     fused = dispatch.fused_backward(problem, launcher.candidates, d_bias is not None)
     placeholder = _placeholder_row_stat(device)
-    d_lse = row_grads.d_lse
+    d_lse, partial = row_grads.d_lse, row_grads.d_sinks_partial
     lse_grad = {"DLse": placeholder if d_lse is None else d_lse, "lse_grad": d_lse is not None}
+    # Whichever kernel writes the row statistics (the dQ kernel, or the fused backward's
+    # preprocess) writes each query tile's share of the sinks' gradient.
+    sinks_grad = {
+        "Sinks": _sinks_argument(mod_tensors, device),
+        "DSinks": placeholder if partial is None else partial,
+        "sinks_grad": partial is not None,
+    }
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
     targets = _fused_targets(problem, launcher, fused, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
@@ -353,21 +368,11 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
         preprocess = launcher.tuned(
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
-             "block_d": shared["block_d"], **lse_grad},
+             "block_dv": shared["block_dv"], **lse_grad, **sinks_grad},
         )  # fmt: skip
         return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
-    sinks = row_grads.d_sinks_partial
-    dq_values = {
-        **shared,
-        "Out": out,
-        "Lse": lse,
-        "dQ": targets.dq,
-        **lse_grad,
-        "Sinks": _sinks_argument(mod_tensors, device),
-        "DSinks": placeholder if sinks is None else sinks,
-        "sinks_grad": sinks is not None,
-    }
+    dq_values = {**shared, "Out": out, "Lse": lse, "dQ": targets.dq, **lse_grad, **sinks_grad}
     dq_step = launcher.tuned(BACKWARD_DQ, dq_values)
     return (dq_step, launcher.tuned(BACKWARD_DKDV, dkdv_values)), targets
 
@@ -391,22 +396,22 @@ class GradientTargets:
         dq.copy_(self.dq[:, :, : problem.seqlen_q, : problem.head_dim])
         if self.grouped:
             dk.copy_(self.dk[:, :, : problem.seqlen_k, : problem.head_dim])
-            dv.copy_(self.dv[:, :, : problem.seqlen_k, : problem.head_dim])
+            dv.copy_(self.dv[:, :, : problem.seqlen_k, : problem.value_dim])
 
 
 def _fused_targets(problem: AttentionProblem, launcher: _Launcher, name: str, dk, dv) -> GradientTargets:
     candidates = launcher.candidates(name)
-    head_tile = configs.head_dim_tile(problem.head_dim)
 
-    def padded_sum(heads, seqlen, block):
+    def padded_sum(heads, seqlen, block, head_dim):
         rows = max(getattr(config, block) for config in candidates)
-        shape = (problem.batch, heads, math.ceil(seqlen / rows) * rows, head_tile)
+        shape = (problem.batch, heads, math.ceil(seqlen / rows) * rows, configs.head_dim_tile(head_dim))
         return torch.empty(shape, dtype=torch.float32, device=dk.device)
 
-    dq_sum = padded_sum(problem.q_heads, problem.seqlen_q, "block_m")
+    dq_sum = padded_sum(problem.q_heads, problem.seqlen_q, "block_m", problem.head_dim)
     if name != BACKWARD_FUSED_GROUPED:
         return GradientTargets(dq_sum, dk, dv, grouped=False)
-    dk_sum, dv_sum = (padded_sum(problem.kv_heads, problem.seqlen_k, "block_n") for _ in range(2))
+    dk_sum = padded_sum(problem.kv_heads, problem.seqlen_k, "block_n", problem.head_dim)
+    dv_sum = padded_sum(problem.kv_heads, problem.seqlen_k, "block_n", problem.value_dim)
     return GradientTargets(dq_sum, dk_sum, dv_sum, grouped=True)
 
 

@@ -37,6 +37,17 @@ class AttentionProblem:
     mods: ScoreMods = PLAIN
     # Some tensor has a size or stride beyond int32: the kernels' int64-indexed twins run.
     wide_index: bool = False
+    # V's and the output's head dim where it differs from Q's and K's (None: the same).
+    head_dim_v: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def tuning_head_dim(self) -> int:
+        """The head dim that picks config tables: the wider of Q's and V's (more registers)."""
+        return max(self.head_dim, self.value_dim)
 
     @property
     def query_group_size(self) -> int:
@@ -49,7 +60,8 @@ class AttentionProblem:
     def shape_key(self, arch: str) -> str:
         """Calls with equal keys share a tuned config: sequence lengths are rounded up to powers of two."""
         return (
-            f"{arch}|{str(self.dtype).removeprefix('torch.')}|d{self.head_dim}|g{self.query_group_size}"
+            f"{arch}|{str(self.dtype).removeprefix('torch.')}|d{self.head_dim}"
+            f"{'' if self.head_dim_v is None else f'v{self.head_dim_v}'}|g{self.query_group_size}"
             f"|{'causal' if self.causal else 'full'}|sq{pow2_ceil(self.seqlen_q)}|sk{pow2_ceil(self.seqlen_k)}"
             f"{self.mods.key()}{'|int64-index' if self.wide_index else ''}"
         )
@@ -125,16 +137,21 @@ def _check_all_inputs(
         _check_tensor(name, t)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must have the same batch, heads and length, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
     batch, q_heads, seqlen_q, head_dim = q.shape
     _, kv_heads, seqlen_k, kv_head_dim = k.shape
+    value_dim = v.shape[3]
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have the batch size of q ({batch}), got {k.shape[0]}")
     if kv_head_dim != head_dim:
-        raise ValueError(f"k and v must have the head dim of q ({head_dim}), got {kv_head_dim}")
+        raise ValueError(f"k must have the head dim of q ({head_dim}), got {kv_head_dim}")
     if head_dim not in configs.HEAD_DIMS:
         raise ValueError(f"head dim {head_dim} is not supported; supported head dims are {configs.HEAD_DIMS}")
+    if value_dim not in configs.HEAD_DIMS:
+        raise ValueError(f"v's head dim {value_dim} is not supported; supported head dims are {configs.HEAD_DIMS}")
     if kv_heads == 0 and q_heads != 0:
         raise ValueError(f"k and v have 0 heads but q has {q_heads}")
     if kv_heads and q_heads % kv_heads:
@@ -169,12 +186,13 @@ def _check_all_inputs(
         sinks=kernel_sinks is not None,
     )
     _check_index_ranges(q_heads, seqlen_q, seqlen_k)
-    sizes = (batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim)
+    sizes = (batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, value_dim)
     wide_index = any(index_width.needs_int64(t) for t in (q, k, v, bias) if t is not None)
     bias_size = 0 if bias is None else bias.element_size()
     wide_index = wide_index or _allocations_need_int64(*sizes, q.dtype.itemsize, bias_size, bias_mode)
     problem = AttentionProblem(
-        batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, causal, mods, wide_index
+        batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, q.dtype, softmax_scale, causal, mods, wide_index,
+        None if value_dim == head_dim else value_dim,
     )  # fmt: skip
     return problem, ModTensors(bias, slopes, kernel_sinks)
 
@@ -201,7 +219,7 @@ def _allocations_need_int64(*sizes) -> bool:
 
 
 def _allocation_shapes_need_int64(
-    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, itemsize, bias_size, bias_mode
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, value_dim, itemsize, bias_size, bias_mode
 ):
     """Whether a tensor a call allocates needs the int64-indexed kernels (index_width): out and
     dQ, dK and dV, the row statistics, the dBias workspace (fp32 or the bias's dtype, bias_size
@@ -209,10 +227,10 @@ def _allocation_shapes_need_int64(
     config."""
     stat_size = 8 if itemsize == 8 else 4
     padded = configs.MAX_BLOCK
-    tile = configs.head_dim_tile(head_dim)
+    tile = configs.head_dim_tile(max(head_dim, value_dim))
     shapes = [
-        ((batch, q_heads, seqlen_q, head_dim), itemsize),
-        ((batch, kv_heads, seqlen_k, head_dim), itemsize),
+        ((batch, q_heads, seqlen_q, max(head_dim, value_dim)), itemsize),
+        ((batch, kv_heads, seqlen_k, max(head_dim, value_dim)), itemsize),
         ((batch, q_heads, seqlen_q), stat_size),
         ((batch, q_heads, seqlen_q + padded, tile), 4),
         ((batch, kv_heads, seqlen_k + padded, tile), 4),

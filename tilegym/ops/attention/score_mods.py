@@ -44,6 +44,13 @@ class ScoreMods:
     sinks: bool = False
 
     @property
+    def plain_scores(self) -> bool:
+        """No modifier but sinks: the scores and masks of plain attention, so the plain kernels'
+        configs, the fixed-max forward and the fused backward apply (sinks touch only each
+        row's epilogue and statistics)."""
+        return self.bias_mode == BIAS_NONE and self.window is None and not self.softcap and not self.alibi
+
+    @property
     def changes_scores(self) -> bool:
         """Some modifier changes score values (a window only hides some of them)."""
         return self.bias_mode != BIAS_NONE or bool(self.softcap) or self.alibi

@@ -66,16 +66,20 @@ def _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile):
 
 @CachedKernel
 def attention_backward_preprocess_kernel(
-    Out, dOut, Lse, Delta, LseBase2, DLse, block_m: ConstInt, block_d: ConstInt, lse_grad: ConstBool
+    Out, dOut, Lse, Delta, LseBase2, DLse, Sinks, DSinks, block_m: ConstInt, block_dv: ConstInt, lse_grad: ConstBool,
+    sinks_grad: ConstBool,
 ):  # fmt: skip
     """The row statistics (_row_stats) for the fused backward, whose dK/dV programs each need
-    those of every query tile. The two-kernel backward's dQ kernel writes them instead."""
+    those of every query tile. The two-kernel backward's dQ kernel writes them instead. With
+    lse_grad and sinks_grad, as the dQ kernel."""
     q_tile = ct.bid(0)
     q_head = ct.bid(1)
     b = ct.bid(2)
-    out = load_rows(Out, b, q_head, q_tile, block_m, block_d)
-    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_d)
-    _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
+    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv)
+    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv)
+    stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
+    if sinks_grad:
+        _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile)
 
 
 @ct.function
@@ -98,12 +102,12 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     """
     scoring = tile.scoring
     tiling = scoring.tiling
-    block_m, block_n, block_d = tiling.block_m, tiling.block_n, tiling.block_d
+    block_m, block_n, block_d, block_dv = tiling.block_m, tiling.block_n, tiling.block_d, tiling.block_dv
     b, q_head, k = tile.b, tile.q_head, tile.k
     d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
     acc_dtype = accumulator_dtype(k.dtype)
     q = load_rows(tile.Q, b, q_head, q_tile, block_m, block_d)  # [block_m, block_d]
-    d_out = load_rows(tile.dOut, b, q_head, q_tile, block_m, block_d)  # [block_m, block_d]
+    d_out = load_rows(tile.dOut, b, q_head, q_tile, block_m, block_dv)  # [block_m, block_dv]
     lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
     delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
 
@@ -127,7 +131,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     # kernel spilled a register.
     reload_q = tile.sum_dq and not masked
     if not reload_q:
-        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)  # [block_n, block_d]
+        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)  # [block_n, block_dv]
     d_probs_t = ct.mma(tile.v, ct.transpose(d_out), ct.zeros((block_n, block_m), acc_dtype))  # [block_n, block_m]
     d_scores_t = probs_t * (d_probs_t - delta)  # [block_n, block_m]
     if tile.bias_grad == BIAS_PER_ROW:
@@ -192,6 +196,7 @@ def attention_backward_dkdv_kernel(
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
+    block_dv: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -235,13 +240,13 @@ def attention_backward_dkdv_kernel(
     softmax_scale = scale(softmax_scale, softmax_scale_lo, acc_dtype)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     switches = Switches(windowed, capped, bias_mode, alibi)
-    tiling = Tiling(block_m, block_n, block_d)
+    tiling = Tiling(block_m, block_n, block_d, block_dv)
 
     k = load_rows(K, b, kv_head, kv_tile, block_n, block_d)  # [block_n, block_d]
-    v = load_rows(V, b, kv_head, kv_tile, block_n, block_d)  # [block_n, block_d]
+    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv)  # [block_n, block_dv]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
     d_key = ct.zeros((block_n, block_d), acc_dtype)
-    d_value = ct.zeros((block_n, block_d), acc_dtype)
+    d_value = ct.zeros((block_n, block_dv), acc_dtype)
     holds_dq = sum_dq and _holds_dq_share(block_d)
 
     for group_member in range(members):
@@ -266,10 +271,10 @@ def attention_backward_dkdv_kernel(
 
     if sum_dkdv:
         add_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
-        add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
+        add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
     else:
         store_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
-        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_d)
+        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
 
 
 @ct.function
@@ -279,7 +284,7 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     tiling = scoring.tiling
     acc_dtype = accumulator_dtype(tile.q.dtype)
     k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
-    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
     raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
     step_scores, capped_tanh = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.dtype, scoring, False)
@@ -329,6 +334,7 @@ def attention_backward_dq_kernel(
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
+    block_dv: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -350,11 +356,11 @@ def attention_backward_dq_kernel(
     switches = Switches(windowed, capped, bias_mode, alibi)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
-    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d), causal)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv), causal)
 
     q = load_rows(Q, b, q_head, q_tile, block_m, block_d)
-    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_d)
-    out = load_rows(Out, b, q_head, q_tile, block_m, block_d)
+    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv)
+    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv)
     stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile)

@@ -63,7 +63,7 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
         probs = exp2(step_scores - new_max_safe)
         rescale = exp2(row_max - new_max_safe)
     row_sum = state.row_sum * rescale + ct.sum(probs, axis=1, keepdims=True)
-    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
     acc = ct.mma(probs.astype(v.dtype), v, state.acc * rescale)
     return ForwardState(new_max, row_sum, acc)
 
@@ -93,8 +93,8 @@ def _first_step_fixed_max(first, state, tile):
         raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
         row_max = ct.max(raw, axis=1, keepdims=True)
         probs = exp2(raw * qk_scale_log2 - row_max * qk_scale_log2)
-        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
-        acc = ct.mma(probs.astype(v.dtype), v, ct.zeros((tiling.block_m, tiling.block_d), acc_dtype))
+        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
+        acc = ct.mma(probs.astype(v.dtype), v, ct.zeros((tiling.block_m, tiling.block_dv), acc_dtype))
         state = ForwardState(row_max, ct.sum(probs, axis=1, keepdims=True), acc)
     return state
 
@@ -117,7 +117,7 @@ def _loop_fixed_max(first, last, state, tile):
         raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc.dtype))
         probs = exp2(raw * qk_scale_log2 - max_log2)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
-        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
         acc = ct.mma(probs.astype(v.dtype), v, acc)
     return ForwardState(row_max, row_sum, acc)
 
@@ -194,6 +194,7 @@ def attention_forward_kernel(
     block_m: ConstInt,
     block_n: ConstInt,
     block_d: ConstInt,
+    block_dv: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -208,7 +209,8 @@ def attention_forward_kernel(
     exp(score_ij)) (natural log), the backward's statistic. Without it, Lse is not touched (a
     placeholder). fixed_max (plain attention, fp32 accumulators only): see _key_loops.
     with_sinks: each row's denominator also holds exp(Sinks[q_head]) (_with_sink).
-    Layout: q, out [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D]; lse [B, Hq, Sq]; sinks [Hq].
+    Layout: q [B, Hq, Sq, D]; k [B, Hkv, Sk, D]; v [B, Hkv, Sk, Dv]; out [B, Hq, Sq, Dv]; lse
+    [B, Hq, Sq]; sinks [Hq]. block_d tiles D, block_dv tiles Dv.
     """
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     lengths = seqlens(Q, K)
@@ -217,14 +219,14 @@ def attention_forward_kernel(
     switches = Switches(windowed, capped, bias_mode, alibi)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
-    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d), causal)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv), causal)
 
     q = load_rows(Q, b, q_head, q_tile, block_m, block_d)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     state = ForwardState(
         ct.full((block_m, 1), NEG_INF, acc_dtype),
         ct.zeros((block_m, 1), acc_dtype),
-        ct.zeros((block_m, block_d), acc_dtype),
+        ct.zeros((block_m, block_dv), acc_dtype),
     )
     tile = ForwardTile(q, K, V, b, kv_head, q_tile, rows, scoring)
     state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
@@ -237,7 +239,7 @@ def attention_forward_kernel(
     # cost the epilogue a share of a short sequence's time.
     row_sum = state.row_sum
     out = state.acc * (1.0 / ct.where(row_sum == 0.0, 1.0, row_sum))
-    store_rows(Out, b, q_head, q_tile, out, block_m, block_d)
+    store_rows(Out, b, q_head, q_tile, out, block_m, block_dv)
     if write_lse:
         row_max = state.row_max
         if keeps_raw_scores(switches) and not with_sinks:

@@ -16,11 +16,13 @@ Value = Any
 
 @dataclass(frozen=True)
 class Tiling:
-    """Tile sizes of a program, all compile-time: query rows, key rows, head dim."""
+    """Tile sizes of a program, all compile-time: query rows, key rows, the head dim of Q and K
+    (block_d) and that of V and the output (block_dv)."""
 
     block_m: Value
     block_n: Value
     block_d: Value
+    block_dv: Value
 
 
 @dataclass(frozen=True)
