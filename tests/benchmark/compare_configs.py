@@ -7,7 +7,7 @@ a drift of the GPU's clock spoils each config alike. For a same-run A/B of a tab
     python tests/benchmark/compare_configs.py attention_forward_lse_fixed_max --head-dim 64 \
         --modes fwd --seqlens 4096 8192 16384 --rounds 2
 
-Configs: those of the table (the kernel name as in configs.py, sm_90, 16-bit inputs), or
+Configs: those of the table (the variant's name as in variants.py, sm_90, 16-bit inputs), or
 --configs block_m,block_n[,num_worker_warps[,occupancy[,num_ctas]]] ... in their place.
 Prints TFLOPS per (mode, shape) and config, each round's and the better of them, with cuDNN's.
 """
@@ -81,7 +81,7 @@ def summary(results: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
-    p.add_argument("kernel", help="a kernel name of configs.py, e.g. attention_forward_lse_fixed_max")
+    p.add_argument("kernel", help="a variant of variants.py, e.g. attention_forward_lse_fixed_max")
     p.add_argument("--head-dim", type=int, required=True, help="head dim D; H = 2048 / D")
     p.add_argument("--configs", nargs="+", type=parse_config, metavar="CONFIG",
                    help="configs to compare (default: the kernel's sm_90 table)")  # fmt: skip
@@ -94,7 +94,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds over every config")
     args = p.parse_args()
     from tilegym.ops.attention import configs
+    from tilegym.ops.attention.variants import VARIANTS
 
+    if args.kernel not in VARIANTS:
+        p.error(f"unknown variant {args.kernel!r}; the registry has {', '.join(VARIANTS)}")
     os.environ["DISABLE_AUTOTUNE"] = "1"
     config_list = args.configs or configs.candidates(args.kernel, "sm_90", args.head_dim, 2)
     if not config_list:
