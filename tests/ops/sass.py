@@ -100,7 +100,8 @@ def signature(
     constants = {
         "block_m": config.block_m,
         "block_n": config.block_n,
-        "block_d": configs.head_dim_tile(head_dim),
+        "block_d": configs.head_dim_tiles(head_dim)[0],
+        "block_d_tail": configs.head_dim_tiles(head_dim)[1],
         "block_dv": configs.head_dim_tile(head_dim),
         "causal": causal,
         **PLAIN,

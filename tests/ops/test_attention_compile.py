@@ -172,8 +172,9 @@ def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches,
             _check_sass(kernel, sass.disassemble(cubin))
 
 
-# V's head dim narrower and wider than Q's (tables by the wider: configs.candidates).
-VALUE_DIMS = [(128, 64), (64, 128), (256, 128)]
+# V's head dim narrower and wider than Q's (tables by the wider: configs.candidates); 192 runs
+# as 128 + 64 (configs.SPLIT_HEAD_DIMS).
+VALUE_DIMS = [(128, 64), (64, 128), (256, 128), (192, 128), (192, 192)]
 
 
 VALUE_DIM_MATRIX = [

@@ -75,6 +75,18 @@ def test_op_head_dim_tile(head_dim, tile):
     assert configs.head_dim_tile(head_dim) == tile
 
 
+@pytest.mark.parametrize("head_dim, tiles", [(64, (64, 0)), (96, (128, 0)), (192, (128, 64)), (256, (256, 0))], ids=str)
+def test_op_head_dim_tiles(head_dim, tiles):
+    """192 runs as a 128-wide tile and a 64-wide tail; the tail starts at a whole number of its
+    own tiles (kernels/head.py indexes it so), and the two cover the head dim exactly."""
+    block_d, tail = configs.head_dim_tiles(head_dim)
+    assert (block_d, tail) == tiles
+    if tail:
+        assert block_d % tail == 0 and block_d + tail == head_dim
+    for split, (main, rest) in configs.SPLIT_HEAD_DIMS.items():
+        assert split in configs.HEAD_DIMS and main % rest == 0 and main + rest == split
+
+
 @pytest.mark.parametrize(
     "capability, arch",
     [((8, 0), "sm_80"), ((8, 9), "sm_80"), ((9, 0), "sm_90"), ((10, 0), "sm_100"), ((12, 0), "sm_120")],

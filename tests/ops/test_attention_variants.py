@@ -167,7 +167,7 @@ def test_op_attention_variant_wide_dtypes(name, dtype):
     check_variant(case, dtype, causal, build(case, dtype))
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 192, 256])
 def test_op_attention_variant_head_dims(head_dim):
     case = Case(f"d{head_dim}", 1, 4, 2, 150, 170, head_dim)
     _, causal, build = VARIANTS["all"]

@@ -37,6 +37,17 @@ def head_dim_tile(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
 
+# Head dims of Q and K that the kernels tile as a main tile and a tail (kernels/head.py) instead of
+# one tile padded to the next power of two: 192 = 128 + 64 does a quarter less work in every
+# matmul over D than 256 (perf-notes#split-head-dim). Config tables stay those of the padded tile.
+SPLIT_HEAD_DIMS = {192: (128, 64)}
+
+
+def head_dim_tiles(head_dim: int) -> tuple[int, int]:
+    """(block_d, block_d_tail) of Q's and K's head dim: the tail 0 where one tile holds it."""
+    return SPLIT_HEAD_DIMS.get(head_dim, (head_dim_tile(head_dim), 0))
+
+
 def _c(block_m, block_n=None, **hints) -> TileConfig:
     return TileConfig(block_m=block_m, block_n=block_n, **hints)
 

@@ -103,7 +103,8 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
         "bias_mode": mods.bias_mode,
         "alibi": mods.alibi,
         "query_group_size": problem.query_group_size,
-        "block_d": configs.head_dim_tile(problem.head_dim),
+        "block_d": configs.head_dim_tiles(problem.head_dim)[0],
+        "block_d_tail": configs.head_dim_tiles(problem.head_dim)[1],
         "block_dv": configs.head_dim_tile(problem.value_dim),
     }
 

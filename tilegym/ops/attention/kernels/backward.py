@@ -8,6 +8,15 @@ transpose of the forward's, so that dK and dV accumulate as [block_n, block_d] r
 import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
+from tilegym.ops.attention.kernels.head import (
+    add_head,
+    head_dot,
+    head_product,
+    head_scaled,
+    head_zeros,
+    load_head,
+    store_head,
+)
 from tilegym.ops.attention.kernels.modifiers import head_mods, pre_cap_gradient, scores, softcap_values
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
@@ -105,19 +114,19 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     block_m, block_n, block_d, block_dv = tiling.block_m, tiling.block_n, tiling.block_d, tiling.block_dv
     b, q_head, k = tile.b, tile.q_head, tile.k
     d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
-    acc_dtype = accumulator_dtype(k.dtype)
-    q = load_rows(tile.Q, b, q_head, q_tile, block_m, block_d)  # [block_m, block_d]
+    acc_dtype = accumulator_dtype(k.main.dtype)
+    q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling)  # [block_m, D]
     d_out = load_rows(tile.dOut, b, q_head, q_tile, block_m, block_dv)  # [block_m, block_dv]
     lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
     delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
 
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
-    raw_t = ct.mma(k, ct.transpose(q), ct.zeros((block_n, block_m), acc_dtype))  # [block_n, block_m]
+    raw_t = head_dot(k, q, ct.zeros((block_n, block_m), acc_dtype), tiling)  # [block_n, block_m]
     if tile.sum_dq:
         if _holds_dq_share(block_d):
             # The previous step's share, summed while this step's matmuls run.
-            add_rows(tile.DQSum, b, q_head, state.pending_tile, pending_dq, block_m, block_d)
-    scores_t, capped_tanh_t = scores(raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.dtype, scoring, True)
+            add_head(tile.DQSum, b, q_head, state.pending_tile, pending_dq, block_m, tiling)
+    scores_t, capped_tanh_t = scores(raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.main.dtype, scoring, True)
     if block_d > 64 and not tile.sum_dq:
         # The D=128 dK/dV kernel runs two CTAs per SM, where the flushed exp2's schedule spills
         # and gained nothing (perf-notes#leaner-softmax-exp2); the fused kernel, at one CTA per SM,
@@ -139,24 +148,25 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         ct.store(tile.DBias, index=(b, q_head, q_tile, tile.kv_tile), tile=d_bias)
     elif tile.bias_grad == BIAS_ONE_ROW:
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)  # [block_n, 1]
-    d_scores_t = pre_cap_gradient(d_scores_t, capped_tanh_t, scoring.switches.capped).astype(q.dtype)
+    d_scores_t = pre_cap_gradient(d_scores_t, capped_tanh_t, scoring.switches.capped).astype(q.main.dtype)
     if reload_q:
         # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
         # stays busy until dK, so the next step's Q could only be loaded while this step
         # computes dQ, and arrived late (at one CTA per SM nothing covers the wait). Loaded
         # again for dK, the first buffer is free after K Q^T. dK before dV in the source
         # keeps the two matmuls issued back to back (perf-notes#q-loaded-twice).
-        d_key = ct.mma(d_scores_t, load_rows(tile.Q, b, q_head, q_tile, block_m, block_d), d_key)
+        d_key = head_product(d_scores_t, load_head(tile.Q, b, q_head, q_tile, block_m, tiling), d_key, tiling)
         d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
     else:
-        d_key = ct.mma(d_scores_t, q, d_key)  # [block_n, block_d]
+        d_key = head_product(d_scores_t, q, d_key, tiling)  # [block_n, D]
     if tile.sum_dq:
-        # [block_m, block_d]
-        d_query = ct.mma(ct.transpose(d_scores_t), k, ct.zeros((block_m, block_d), acc_dtype)) * tile.dq_scale
+        # [block_m, D]
+        d_query = head_product(ct.transpose(d_scores_t), k, head_zeros(block_m, tiling, acc_dtype), tiling)
+        d_query = head_scaled(d_query, tile.dq_scale, tiling)
         if _holds_dq_share(block_d):
             pending_dq = d_query
         else:
-            add_rows(tile.DQSum, b, q_head, q_tile, d_query, block_m, block_d)
+            add_head(tile.DQSum, b, q_head, q_tile, d_query, block_m, tiling)
     return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
 
 
@@ -197,6 +207,7 @@ def attention_backward_dkdv_kernel(
     block_n: ConstInt,
     block_d: ConstInt,
     block_dv: ConstInt,
+    block_d_tail: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -240,12 +251,12 @@ def attention_backward_dkdv_kernel(
     softmax_scale = scale(softmax_scale, softmax_scale_lo, acc_dtype)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     switches = Switches(windowed, capped, bias_mode, alibi)
-    tiling = Tiling(block_m, block_n, block_d, block_dv)
+    tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
 
-    k = load_rows(K, b, kv_head, kv_tile, block_n, block_d)  # [block_n, block_d]
+    k = load_head(K, b, kv_head, kv_tile, block_n, tiling)  # [block_n, D]
     v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv)  # [block_n, block_dv]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
-    d_key = ct.zeros((block_n, block_d), acc_dtype)
+    d_key = head_zeros(block_n, tiling, acc_dtype)
     d_value = ct.zeros((block_n, block_dv), acc_dtype)
     holds_dq = sum_dq and _holds_dq_share(block_d)
 
@@ -255,7 +266,7 @@ def attention_backward_dkdv_kernel(
         scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal)
         # A held dQ share starts as zeros "for" query tile 0, which always exists: the first
         # step adds them there, so no step needs a branch (one spare reduction per head).
-        pending_dq = ct.zeros((block_m, block_d) if holds_dq else (1, 1), acc_dtype)
+        pending_dq = head_zeros(block_m, tiling, acc_dtype) if holds_dq else ct.zeros((1, 1), acc_dtype)
         state = KeyState(d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
         tile = KeyTile(
             k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols, scoring,
@@ -264,16 +275,16 @@ def attention_backward_dkdv_kernel(
         state = over_segments(_dkdv_loop, query_segments(kv_tile, scoring), state, tile)
         d_key, d_value = state.d_key, state.d_value
         if holds_dq:
-            add_rows(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, block_d)
+            add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, tiling)
         if bias_grad == BIAS_ONE_ROW:
             d_bias = state.d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)
             ct.store(DBias, index=(b, q_head, 0, kv_tile), tile=d_bias)
 
     if sum_dkdv:
-        add_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
+        add_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
         add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
     else:
-        store_rows(dK, b, kv_head, kv_tile, d_key * softmax_scale, block_n, block_d)
+        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
         store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
 
 
@@ -282,18 +293,18 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     """d_query plus one key tile's contribution (DqTile)."""
     scoring = tile.scoring
     tiling = scoring.tiling
-    acc_dtype = accumulator_dtype(tile.q.dtype)
-    k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
+    acc_dtype = accumulator_dtype(tile.q.main.dtype)
+    k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
     v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
-    raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+    raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling)
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
-    step_scores, capped_tanh = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.dtype, scoring, False)
+    step_scores, capped_tanh = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
     probs = exp2(step_scores - tile.lse)
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
     d_probs = ct.mma(tile.d_out, ct.transpose(v), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
     d_scores = pre_cap_gradient(probs * (d_probs - tile.delta), capped_tanh, scoring.switches.capped)
-    return ct.mma(d_scores.astype(k.dtype), k, d_query)
+    return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling)
 
 
 @ct.function
@@ -335,6 +346,7 @@ def attention_backward_dq_kernel(
     block_n: ConstInt,
     block_d: ConstInt,
     block_dv: ConstInt,
+    block_d_tail: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -356,17 +368,19 @@ def attention_backward_dq_kernel(
     switches = Switches(windowed, capped, bias_mode, alibi)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
-    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv), causal)
+    scoring = Scoring(
+        qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
+    )
 
-    q = load_rows(Q, b, q_head, q_tile, block_m, block_d)
+    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling)
     d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv)
     out = load_rows(Out, b, q_head, q_tile, block_m, block_dv)
     stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
-    d_query = ct.zeros((block_m, block_d), acc_dtype)
+    d_query = head_zeros(block_m, scoring.tiling, acc_dtype)
 
     tile = DqTile(q, d_out, stats.lse_base2[:, None], stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
     d_query = over_segments(_dq_loop, key_segments(q_tile, scoring), d_query, tile)
-    store_rows(dQ, b, q_head, q_tile, d_query * softmax_scale, block_m, block_d)
+    store_head(dQ, b, q_head, q_tile, head_scaled(d_query, softmax_scale, scoring.tiling), block_m, scoring.tiling)

@@ -8,6 +8,7 @@ attention keeps raw products instead and applies the scale inside exp2's argumen
 import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
+from tilegym.ops.attention.kernels.head import head_dot, load_head
 from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, scores, softcap_values
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
@@ -35,15 +36,15 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
     """One online-softmax update of a query tile (ForwardTile) with one key/value tile."""
     scoring = tile.scoring
     tiling = scoring.tiling
-    acc_dtype = accumulator_dtype(tile.q.dtype)
-    k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
-    raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+    acc_dtype = accumulator_dtype(tile.q.main.dtype)
+    k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
+    raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling)
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
     raw_units = keeps_raw_scores(scoring.switches)
     if raw_units:
         step_scores = raw
     else:
-        step_scores, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.dtype, scoring, False)
+        step_scores, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
     if masked:
         step_scores = ct.where(visible(tile.rows, cols, scoring), step_scores, NEG_INF)
     row_max = state.row_max
@@ -87,10 +88,10 @@ def _first_step_fixed_max(first, state, tile):
     """
     tiling = tile.scoring.tiling
     qk_scale_log2 = tile.scoring.qk_scale_log2
-    acc_dtype = accumulator_dtype(tile.q.dtype)
+    acc_dtype = accumulator_dtype(tile.q.main.dtype)
     for kv_tile in range(0, first):
-        k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
-        raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+        k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
+        raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling)
         row_max = ct.max(raw, axis=1, keepdims=True)
         probs = exp2(raw * qk_scale_log2 - row_max * qk_scale_log2)
         v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
@@ -113,8 +114,8 @@ def _loop_fixed_max(first, last, state, tile):
     row_max, row_sum, acc = state.row_max, state.row_sum, state.acc
     max_log2 = row_max * qk_scale_log2
     for kv_tile in range(first, last):
-        k = load_rows(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_d)
-        raw = ct.mma(tile.q, ct.transpose(k), ct.zeros((tiling.block_m, tiling.block_n), acc.dtype))
+        k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
+        raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc.dtype), tiling)
         probs = exp2(raw * qk_scale_log2 - max_log2)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
         v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
@@ -195,6 +196,7 @@ def attention_forward_kernel(
     block_n: ConstInt,
     block_d: ConstInt,
     block_dv: ConstInt,
+    block_d_tail: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -210,7 +212,7 @@ def attention_forward_kernel(
     placeholder). fixed_max (plain attention, fp32 accumulators only): see _key_loops.
     with_sinks: each row's denominator also holds exp(Sinks[q_head]) (_with_sink).
     Layout: q [B, Hq, Sq, D]; k [B, Hkv, Sk, D]; v [B, Hkv, Sk, Dv]; out [B, Hq, Sq, Dv]; lse
-    [B, Hq, Sq]; sinks [Hq]. block_d tiles D, block_dv tiles Dv.
+    [B, Hq, Sq]; sinks [Hq]. block_d (and block_d_tail, head.py) tiles D, block_dv tiles Dv.
     """
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     lengths = seqlens(Q, K)
@@ -219,9 +221,11 @@ def attention_forward_kernel(
     switches = Switches(windowed, capped, bias_mode, alibi)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
-    scoring = Scoring(qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv), causal)
+    scoring = Scoring(
+        qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
+    )
 
-    q = load_rows(Q, b, q_head, q_tile, block_m, block_d)
+    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     state = ForwardState(
         ct.full((block_m, 1), NEG_INF, acc_dtype),

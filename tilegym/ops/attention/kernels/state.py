@@ -17,12 +17,23 @@ Value = Any
 @dataclass(frozen=True)
 class Tiling:
     """Tile sizes of a program, all compile-time: query rows, key rows, the head dim of Q and K
-    (block_d) and that of V and the output (block_dv)."""
+    (block_d, plus block_d_tail when it is two tiles, see head.py; 0: one tile) and that of V
+    and the output (block_dv)."""
 
     block_m: Value
     block_n: Value
     block_d: Value
     block_dv: Value
+    block_d_tail: Value
+
+
+@dataclass(frozen=True)
+class HeadParts:
+    """Rows of a Q-, K-, dQ- or dK-shaped array over the head dim: one tile, or a main tile of
+    Tiling.block_d columns and a tail of block_d_tail after it (tail 0 when there is none)."""
+
+    main: Value  # [rows, block_d]
+    tail: Value  # [rows, block_d_tail], or 0
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class Scoring:
 class ForwardTile:
     """What every step of a forward program shares: its query tile and where it reads keys."""
 
-    q: Value  # [block_m, block_d]
+    q: Value  # HeadParts [block_m, D]
     K: Value
     V: Value
     b: Value
@@ -113,8 +124,8 @@ class ForwardTile:
 class DqTile:
     """What every step of a dQ program shares."""
 
-    q: Value  # [block_m, block_d]
-    d_out: Value  # [block_m, block_d]
+    q: Value  # HeadParts [block_m, D]
+    d_out: Value  # [block_m, block_dv]
     lse: Value  # [block_m, 1] base-2 LSE
     delta: Value  # [block_m, 1]
     K: Value
@@ -131,8 +142,8 @@ class KeyTile:
     """What every step of a dK/dV program shares for one query head: its key tile, the arrays
     it reads per query tile, and where it writes dBias and dQ shares."""
 
-    k: Value  # [block_n, block_d]
-    v: Value  # [block_n, block_d]
+    k: Value  # HeadParts [block_n, D]
+    v: Value  # [block_n, block_dv]
     Q: Value
     dOut: Value
     LseBase2: Value
@@ -154,7 +165,7 @@ class KeyState:
     """A dK/dV program's sums (key-major) and its dQ share held for the next step
     (backward._holds_dq_share): pending_dq belongs to query tile pending_tile."""
 
-    d_key: Value
+    d_key: Value  # HeadParts [block_n, D]
     d_value: Value
     d_bias_row: Value  # [block_n, 1] column sums of dBias (BIAS_ONE_ROW)
     pending_dq: Value
