@@ -644,3 +644,40 @@ def test_op_mean_keys_per_query_counts_the_causal_mask(seqlen_q, seqlen_k):
     assert dispatch.mean_keys_per_query(problem) == pytest.approx(visible / seqlen_q, rel=1e-12)
     full = problem_mod.AttentionProblem(1, 1, 1, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.1, False)
     assert dispatch.mean_keys_per_query(full) == seqlen_k
+
+
+@pytest.mark.parametrize("choice", ["two-kernel", "fused"])
+def test_op_sinks_shares_are_zeroed_before_the_launch_that_counts(monkeypatch, choice):
+    """The kernel that writes the sinks' gradient shares (dQ, or the fused backward's preprocess)
+    gets a reset that zeroes them: tuning runs of configs with smaller query tiles write shares
+    the chosen config leaves alone."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    _RecordingLauncher.launches = []
+    q, k, v = _cpu_inputs(q_shape=(1, 4, 40, 64), kv_shape=(1, 2, 2100, 64))
+    sinks = score_mods.check_sinks(torch.randn(4), q, 4)
+    problem = problem_mod.AttentionProblem(
+        1, 4, 2, 40, 2100, 64, torch.bfloat16, 0.125, False, ScoreMods(sinks=True)
+    )  # fmt: skip
+    out, lse = torch.randn_like(q), torch.randn(1, 4, 40)
+    seen = []
+    reset_of = {}
+
+    class Spy(_RecordingLauncher):
+        def launch(self, step):
+            config = self.candidates(step.name)[0]
+            values = dict(zip(launching.parameter_names(step.kernel), step.args(config), strict=True))
+            if values.get("sinks_grad"):
+                values["DSinks"].fill_(7.0)  # what a tuning run of another config leaves
+                reset_of[step.name] = step.reset
+            super().launch(step)
+            if values.get("sinks_grad"):
+                seen.append(values["DSinks"].abs().max().item())
+
+    monkeypatch.setattr(launch, "_Launcher", Spy)
+    gradients = launch.backward(
+        torch.randn_like(q), q, k, v, out, lse, problem, mod_tensors=score_mods.ModTensors(sinks=sinks), sinks_grad=True
+    )  # fmt: skip
+    writer = configs.BACKWARD_PREPROCESS if choice == "fused" else configs.BACKWARD_DQ
+    assert list(reset_of) == [writer] and reset_of[writer] is not None
+    assert seen == [0.0] and torch.equal(gradients.d_sinks, torch.zeros(4))

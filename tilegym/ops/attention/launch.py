@@ -242,10 +242,15 @@ def backward(
 class RowGradients:
     """The backward's per-row extras: the LSE's gradient it folds into Delta (d_lse, None
     without one), and where the dQ kernel writes each query tile's share of the sinks'
-    gradient ([B, Hq, query tiles of the smallest candidate], zeroed; None without)."""
+    gradient ([B, Hq, query tiles of the smallest candidate]; None without), zeroed by zero()
+    before the launch that writes it: a config with larger tiles writes fewer shares."""
 
     d_lse: torch.Tensor | None
     d_sinks_partial: torch.Tensor | None
+
+    def zero(self) -> None:
+        if self.d_sinks_partial is not None:
+            self.d_sinks_partial.zero_()
 
 
 def _row_gradients(launcher: _Launcher, d_lse, sinks_grad: bool, device) -> RowGradients:
@@ -260,7 +265,9 @@ def _row_gradients(launcher: _Launcher, d_lse, sinks_grad: bool, device) -> RowG
         block_m = min(config.block_m for name in names for config in launcher.candidates(name))
         tiles = math.ceil(problem.seqlen_q / block_m)
         stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-        partial = torch.zeros((problem.batch, problem.q_heads, tiles), dtype=stat_dtype, device=device)
+        # Zeroed right before the launch that counts (RowGradients.zero): tuning runs of other
+        # configs write other tiles' shares.
+        partial = torch.empty((problem.batch, problem.q_heads, tiles), dtype=stat_dtype, device=device)
     return RowGradients(d_lse, partial)
 
 
@@ -298,6 +305,11 @@ def compile_backward_ahead(q, k, v, problem: AttentionProblem, mod_tensors=NO_TE
 
 
 _NO_ROW_GRADIENTS = RowGradients(None, None)
+
+
+def _reset(row_grads: RowGradients):
+    """The reset of the launch that writes the sinks' shares, None where there are none."""
+    return None if row_grads.d_sinks_partial is None else row_grads.zero
 
 
 def _backward_is_empty(problem: AttentionProblem) -> bool:
@@ -370,11 +382,12 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
              "block_dv": shared["block_dv"], **lse_grad, **sinks_grad},
+            _reset(row_grads),
         )  # fmt: skip
         return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
     dq_values = {**shared, "Out": out, "Lse": lse, "dQ": targets.dq, **lse_grad, **sinks_grad}
-    dq_step = launcher.tuned(BACKWARD_DQ, dq_values)
+    dq_step = launcher.tuned(BACKWARD_DQ, dq_values, _reset(row_grads))
     return (dq_step, launcher.tuned(BACKWARD_DKDV, dkdv_values)), targets
 
 
