@@ -263,3 +263,14 @@ def test_op_sinks_rejected_before_launch(sinks, error, message):
     with pytest.raises(error, match=message):
         tile_fmha_with_backward(q, k, v, sinks=bad)
     assert torch.isfinite(tile_fmha(q, k, v)).all(), "the GPU is still usable after a rejected call"
+
+
+@pytest.mark.parametrize("choice", ["two-kernel", "fused"])
+def test_op_sinks_gradient_with_tuning_on(choice, monkeypatch, tmp_path):
+    """With tuning on, the first call times every candidate; configs with smaller query tiles
+    write more sink shares than the chosen one, which must not reach dSink."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "0")
+    monkeypatch.setenv("TILEGYM_CACHE_DIR", str(tmp_path))  # a fresh tune cache: this call tunes
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    case = Case("tuned", 1, 4, 4, 333, 2100, 128)
+    check(case, torch.bfloat16, False, {"sinks": _sinks(case)}, lse_grad=True)
