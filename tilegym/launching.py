@@ -4,6 +4,7 @@ tensors the kernels can address, the GPU's facts, and a launcher that tunes on f
 """
 
 import inspect
+import operator
 import struct
 from functools import cache, lru_cache
 
@@ -48,16 +49,48 @@ def arguments_by_name(kernel, values: dict) -> tuple:
     A name the kernel lacks, or one of its parameters left out, is a TypeError: no argument
     can land in another's place.
     """
+    return NamedArguments(kernel, values)()
+
+
+class NamedArguments:
+    """A kernel's arguments by name, checked and put in parameter order once; the parameters
+    named in `late` (a launch's tile sizes, say) are given at each call. A name the kernel
+    lacks, or one of its parameters left out, is a TypeError."""
+
+    def __init__(self, kernel, values: dict, late: tuple[str, ...] = ()):
+        getter, late_positions, count = _layout(kernel, late)
+        try:
+            if len(values) != count:
+                raise KeyError
+            self._base = list(getter(values))
+        except KeyError:
+            names = parameter_names(kernel)
+            missing = [name for name in names if name not in values and name not in late]
+            unknown = [name for name in values if name not in names]
+            raise TypeError(
+                f"{kernel._pyfunc.__name__}: missing arguments {missing}, unknown arguments {unknown}"
+            ) from None
+        self._late = late_positions
+
+    def __call__(self, **late_values) -> tuple:
+        arguments = self._base.copy()
+        for position, name in self._late:
+            arguments.insert(position, late_values[name])
+        return tuple(arguments)
+
+
+@cache
+def _layout(kernel, late: tuple[str, ...]):
+    """(a getter of the early arguments in order, (position, name) of each late one in
+    ascending order, how many early ones there are): built once per kernel; the launch path
+    asks for it at every call."""
     names = parameter_names(kernel)
-    if len(values) != len(names):
-        missing = [name for name in names if name not in values]
-        unknown = [name for name in values if name not in names]
-        raise TypeError(f"{kernel._pyfunc.__name__}: missing arguments {missing}, unknown arguments {unknown}")
-    try:
-        return tuple([values[name] for name in names])
-    except KeyError as error:
-        unknown = [name for name in values if name not in names]
-        raise TypeError(f"{kernel._pyfunc.__name__}: missing argument {error}, unknown arguments {unknown}") from None
+    early = [name for name in names if name not in late]
+    late_positions = tuple((position, name) for position, name in enumerate(names) if name in late)
+    if len(early) == 1:
+        only = early[0]
+        return (lambda values: (values[only],)), late_positions, 1
+    return operator.itemgetter(*early), late_positions, len(early)
 
 
 def addressable(t: torch.Tensor) -> torch.Tensor:

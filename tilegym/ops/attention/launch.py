@@ -11,7 +11,7 @@ from functools import cache, lru_cache
 import torch
 
 from tilegym import autotune, index_width
-from tilegym.launching import TunedLauncher, addressable, arguments_by_name, parameter_names, split_arguments
+from tilegym.launching import NamedArguments, TunedLauncher, addressable, split_arguments
 from tilegym.ops.attention import configs, dispatch, score_mods
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
 from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, ModTensors, ScoreMods
@@ -68,17 +68,13 @@ class _Launcher(TunedLauncher):
         seqlen = problem.seqlen_q if variant.tiles == "query" else problem.seqlen_k
         heads = problem.q_heads if variant.heads == "query" else problem.kv_heads
         block = "block_m" if variant.tiles == "query" else "block_n"
-        values = {**values, **variant.fixed}
-        takes_block_n = "block_n" in parameter_names(kernel)
+        named = NamedArguments(kernel, {**values, **variant.fixed}, late=("block_m", "block_n"))
 
         def grid(config):
             return (math.ceil(seqlen / getattr(config, block)), heads, problem.batch)
 
         def arguments(config):
-            tiles = (
-                {"block_m": config.block_m, "block_n": config.block_n} if takes_block_n else {"block_m": config.block_m}
-            )
-            return arguments_by_name(kernel, values | tiles)
+            return named(block_m=config.block_m, block_n=config.block_n)
 
         return autotune.TunedKernel(name, kernel, grid, arguments, before_each)
 
