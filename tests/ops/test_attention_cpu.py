@@ -681,3 +681,29 @@ def test_op_sinks_shares_are_zeroed_before_the_launch_that_counts(monkeypatch, c
     writer = configs.BACKWARD_PREPROCESS if choice == "fused" else configs.BACKWARD_DQ
     assert list(reset_of) == [writer] and reset_of[writer] is not None
     assert seen == [0.0] and torch.equal(gradients.d_sinks, torch.zeros(4))
+
+
+def test_op_sinks_without_keys():
+    """Sk = 0 with sinks: every row's mass is its sink's, so the output is 0, the LSE the sink
+    (-inf for a -inf sink), and dSink_h the sum of dLSE over the head's rows."""
+    q = torch.randn(2, 3, 5, 64, dtype=torch.float64)
+    k = v = torch.randn(2, 3, 0, 64, dtype=torch.float64)
+    sinks = torch.tensor([0.5, -1.0, -math.inf], dtype=torch.float64)
+    problem = problem_mod.AttentionProblem(2, 3, 3, 5, 0, 64, torch.float64, 0.125, False, ScoreMods(sinks=True))
+    tensors = score_mods.ModTensors(sinks=sinks)
+    out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=tensors)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, sinks.reshape(1, 3, 1).expand(2, 3, 5))
+    d_lse = torch.randn(2, 3, 5, dtype=torch.float64)
+    grads = launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=tensors, d_lse=d_lse,
+                            sinks_grad=True)  # fmt: skip
+    expected = d_lse.sum(dim=(0, 2))
+    expected[2] = 0.0
+    assert torch.equal(grads.d_sinks, expected) and torch.equal(grads.dq, torch.zeros_like(q))
+    # The reference agrees: autograd of a softmax over the sink alone.
+    q_ref = q.clone().requires_grad_()
+    sink_ref = sinks[:2].clone().requires_grad_()
+    _, ref_lse = attention_reference(q_ref[:, :2], k[:, :2], v[:, :2], is_causal=False, sinks=sink_ref)
+    assert torch.equal(ref_lse, lse[:, :2])
+    (ref_lse * d_lse[:, :2]).sum().backward()
+    torch.testing.assert_close(sink_ref.grad, expected[:2])

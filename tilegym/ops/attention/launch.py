@@ -154,7 +154,10 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     if problem.seqlen_k == 0:  # no key to attend to: every row is empty
         out.zero_()
         if lse is not None:
-            lse.fill_(-math.inf)
+            if mod_tensors.sinks is None:
+                lse.fill_(-math.inf)
+            else:  # all of each row's mass is the sink's
+                lse.copy_(mod_tensors.sinks.reshape(1, -1, 1).expand_as(lse))
         return out, lse
 
     q, softmax_scale = _positive_scale(q, problem)
@@ -219,7 +222,7 @@ def backward(
         for gradient in (dq, dk, dv, d_bias):
             if gradient is not None:
                 gradient.zero_()
-        d_sinks = torch.zeros_like(mod_tensors.sinks) if sinks_grad else None
+        d_sinks = _sinks_grad_without_keys(problem, mod_tensors, d_lse) if sinks_grad else None
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     launcher = _Launcher(problem, q.device)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
@@ -232,6 +235,16 @@ def backward(
         targets.copy_to(dq, dk, dv, problem)
     d_sinks = row_grads.d_sinks_partial.sum(dim=(0, 2)) if sinks_grad else None
     return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
+
+
+def _sinks_grad_without_keys(problem: AttentionProblem, mod_tensors: ModTensors, d_lse) -> torch.Tensor:
+    """dSink where no row sees a key (or there is no row): each row's LSE is its head's sink
+    (P_sink 1, output 0, Delta -dLSE), so dSink_h is the sum of dLSE over the head's rows; a -inf
+    sink leaves LSE -inf and takes no gradient."""
+    sinks = mod_tensors.sinks
+    if d_lse is None or problem.is_empty:
+        return torch.zeros_like(sinks)
+    return torch.where(sinks == -math.inf, 0.0, d_lse.to(sinks.dtype).sum(dim=(0, 2)))
 
 
 @dataclass(frozen=True)

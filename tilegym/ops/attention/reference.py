@@ -75,7 +75,11 @@ def attention_reference(
     sees_any = visible.any(dim=-1, keepdim=True)  # [B, H, Sq, 1]
     # Fill masked scores with a finite value first so that no -inf - (-inf) reaches autograd.
     finite_scores = scores.masked_fill(~visible, 0.0)
-    row_max = finite_scores.masked_fill(~visible, -torch.inf).amax(dim=-1, keepdim=True)
+    hidden = finite_scores.masked_fill(~visible, -torch.inf)
+    if seqlen_k:
+        row_max = hidden.amax(dim=-1, keepdim=True)
+    else:  # no key at all: amax has nothing to reduce
+        row_max = hidden.new_full((*hidden.shape[:-1], 1), -torch.inf)
     if sinks is not None:
         # The sink joins each row as one more logit, without a value.
         sink = sinks.to(compute_dtype).reshape(1, -1, 1, 1).expand_as(row_max)
