@@ -532,11 +532,18 @@ def _layout(value):
 
 
 @pytest.mark.parametrize(
-    "choice, q_heads, bias_grad",
-    [("two-kernel", 4, False), ("fused", 2, False), ("fused", 4, False), ("two-kernel", 4, True)],
-    ids=["two-kernel", "fused", "fused-grouped", "bias-grad"],
+    "choice, q_heads, bias_grad, sinks_grad",
+    [
+        ("two-kernel", 4, False, False),
+        ("fused", 2, False, False),
+        ("fused", 4, False, False),
+        ("two-kernel", 4, True, False),
+        ("two-kernel", 4, False, True),
+        ("fused", 2, False, True),
+    ],
+    ids=["two-kernel", "fused", "fused-grouped", "bias-grad", "sinks-grad", "fused-sinks-grad"],
 )
-def test_op_backward_compiled_ahead_as_launched(monkeypatch, choice, q_heads, bias_grad):
+def test_op_backward_compiled_ahead_as_launched(monkeypatch, choice, q_heads, bias_grad, sinks_grad):
     """compile_backward_ahead starts the launches backward() makes, once per problem: the same
     kernels and grids, arguments of the same dtypes, shapes, strides and constants."""
     monkeypatch.setenv("TILEGYM_BACKWARD", choice)
@@ -552,11 +559,19 @@ def test_op_backward_compiled_ahead_as_launched(monkeypatch, choice, q_heads, bi
         bias = torch.randn(q_heads, seqlen_q, seqlen_k, dtype=torch.bfloat16)
         mode, kernel_bias = score_mods.check_bias(bias, q, seqlen_k, q_heads)
         mods, tensors = ScoreMods(bias_mode=mode, bias_shape=tuple(bias.shape)), score_mods.ModTensors(kernel_bias)
+    if sinks_grad:
+        mods, tensors = (
+            ScoreMods(sinks=True),
+            score_mods.ModTensors(sinks=score_mods.check_sinks(torch.randn(q_heads), q, q_heads)),
+        )
     problem = problem_mod.AttentionProblem(batch, q_heads, 2, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.125, True, mods)
     for _ in range(2):
-        launch.compile_backward_ahead(q, k, v, problem, tensors, bias_grad)
+        launch.compile_backward_ahead(q, k, v, problem, tensors, bias_grad, sinks_grad)
     out, lse = torch.randn(batch, q_heads, seqlen_q, 64, dtype=torch.bfloat16), torch.randn(batch, q_heads, seqlen_q)
-    launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=bias_grad)
+    launch.backward(
+        torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=tensors, bias_grad=bias_grad,
+        sinks_grad=sinks_grad,
+    )  # fmt: skip
 
     ahead, launched = _RecordingLauncher.compiled_ahead, _RecordingLauncher.launches
     assert len(launched) == 2  # preprocess and fused kernel, or dQ then dK/dV

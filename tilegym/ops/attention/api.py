@@ -155,7 +155,8 @@ def tile_fmha_with_backward(
     if _needs_grad(q, k, v, attn_bias, sinks):
         # The backward's kernels compile in the background while the forward's kernel compiles.
         bias_grad = attn_bias is not None and attn_bias.requires_grad
-        launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad)
+        sinks_grad = sinks is not None and sinks.requires_grad
+        launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad, sinks_grad)
     out, lse = AttentionFunction.apply(q, k, v, attn_bias, sinks, problem, mod_tensors)
     return (out, lse) if return_lse else out
 

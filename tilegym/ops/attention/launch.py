@@ -286,13 +286,17 @@ _compiled_ahead: OrderedDict[tuple, None] = OrderedDict()
 _COMPILED_AHEAD_MAX = 256
 
 
-def compile_backward_ahead(q, k, v, problem: AttentionProblem, mod_tensors=NO_TENSORS, bias_grad=False) -> None:
+def compile_backward_ahead(
+    q, k, v, problem: AttentionProblem, mod_tensors=NO_TENSORS, bias_grad=False, sinks_grad=False
+) -> None:
     """Starts compiling, in background threads, the kernels backward() will launch for this
     problem (autotune.compile_ahead), once per problem: the training forward calls it first, so
     that the backward's compiles run alongside its own. Its tensors are stand-ins shaped and
     laid out like the backward's (a contiguous out and d_out), dropped on return; where they do
-    not fit in memory, nothing is started."""
-    key = (problem, q.device, bias_grad)
+    not fit in memory, nothing is started. Whether the LSE will get a gradient is not known
+    yet: the kernels without one are compiled."""
+    sinks_grad = sinks_grad and problem.mods.sinks
+    key = (problem, q.device, bias_grad, sinks_grad)
     if key in _compiled_ahead:
         _compiled_ahead.move_to_end(key)
         return
@@ -306,14 +310,12 @@ def compile_backward_ahead(q, k, v, problem: AttentionProblem, mod_tensors=NO_TE
         out = output(q, problem)
         lse = row_stat(problem, q.device)
         dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
-        steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, _NO_ROW_GRADIENTS)
+        row_grads = _row_gradients(launcher, None, sinks_grad, q.device)
+        steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads)
     except torch.cuda.OutOfMemoryError:
         return
     for step in steps:
         launcher.compile_ahead(step)
-
-
-_NO_ROW_GRADIENTS = RowGradients(None, None)
 
 
 def _reset(row_grads: RowGradients):
