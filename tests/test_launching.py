@@ -15,7 +15,7 @@ def _kernel(X, Y, scale: float, scale_lo: float, block: ct.Constant[int]):
 
 def test_arguments_follow_the_kernels_parameter_order():
     values = {"block": 64, "Y": "y", "X": "x", **launching.split_arguments(scale=0.1)}
-    assert launching.arguments_by_name(_kernel, values) == ("x", "y", *launching.split_float(0.1), 64)
+    assert launching.NamedArguments(_kernel, values)() == ("x", "y", *launching.split_float(0.1), 64)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_arguments_follow_the_kernels_parameter_order():
 )
 def test_an_argument_missing_or_unknown_is_refused(values, message):
     with pytest.raises(TypeError, match=message):
-        launching.arguments_by_name(_kernel, values)
+        launching.NamedArguments(_kernel, values)
 
 
 def test_split_floats_add_up_to_the_value():

@@ -1,6 +1,7 @@
 """What launching a tuned cuTile kernel from PyTorch takes, whatever the operator: arguments
-built by parameter name, float arguments split for fp64 kernels, the current stream's handle,
-tensors the kernels can address, the GPU's facts, and a launcher that tunes on first use.
+built by parameter name (NamedArguments), float arguments split for fp64 kernels, the current
+stream's handle, tensors the kernels can address, the GPU's facts, and a launcher that tunes on
+first use.
 """
 
 import inspect
@@ -41,15 +42,6 @@ def pow2_ceil(n: int) -> int:
 def parameter_names(kernel) -> tuple[str, ...]:
     """A kernel's parameters in order (its Python function's, for the int64 twin too)."""
     return tuple(inspect.signature(kernel._pyfunc).parameters)
-
-
-def arguments_by_name(kernel, values: dict) -> tuple:
-    """The kernel's arguments in its own parameter order, from a dict of every one by name.
-
-    A name the kernel lacks, or one of its parameters left out, is a TypeError: no argument
-    can land in another's place.
-    """
-    return NamedArguments(kernel, values)()
 
 
 class NamedArguments:

@@ -350,6 +350,7 @@ def _list() -> None:
         fixed = " ".join(f"{key}={value}" for key, value in variant.fixed.items()) or "-"
         form = "modifiable" if variant.modifiable else "plain only"
         print(f"{name:{width}}  {form:10}  {'default' if variant.default else 'sm_90 only':10}  fixed: {fixed}")
+        print(f"{'':{width}}  {variant.about}")
 
 
 def main(argv=None) -> int:

@@ -1,10 +1,11 @@
 """The public attention functions; argument checks happen in problem.check_inputs, before any launch.
 
-Shapes: q ``[B, Hq, Sq, D]``; k, v ``[B, Hkv, Sk, D]`` with Hq a multiple of Hkv (GQA/MQA: query
-head h reads key/value head ``h // (Hq // Hkv)``); the output is shaped and typed like q. Any
-strides work as long as the head dim is contiguous (a ``[B, S, H, D]`` tensor transposed to
-``[B, H, S, D]`` is used without a copy). Dtypes: float16, bfloat16, float32, float64, one for
-q, k and v. Head dims: 32, 64, 80, 96, 128, 256.
+Shapes: q ``[B, Hq, Sq, D]``; k ``[B, Hkv, Sk, D]``; v ``[B, Hkv, Sk, Dv]`` with Hq a multiple of
+Hkv (GQA/MQA: query head h reads key/value head ``h // (Hq // Hkv)``); the output is
+``[B, Hq, Sq, Dv]`` in q's dtype. Any strides work as long as the head dim is contiguous (a
+``[B, S, H, D]`` tensor transposed to ``[B, H, S, D]`` is used without a copy). Dtypes: float16,
+bfloat16, float32, float64, one for q, k and v. Head dims, D and Dv each: 32, 64, 80, 96, 128,
+192, 256.
 
 Causal masking is bottom-right aligned (as FlashAttention since 2.1; SDPA's ``is_causal`` is
 top-left): query i sees key j iff ``j <= i + (Sk - Sq)``. For Sq = 3, Sk = 5 (x: seen)::
@@ -63,7 +64,8 @@ def tile_fmha(
 
     Args:
         q: ``[B, Hq, Sq, D]`` queries, on a CUDA device.
-        k, v: ``[B, Hkv, Sk, D]`` keys and values, q's dtype and device.
+        k, v: ``[B, Hkv, Sk, D]`` keys and ``[B, Hkv, Sk, Dv]`` values, q's dtype and device
+            (Dv may differ from D).
         scaling: the softmax scale (SDPA's ``scale``); None: ``1 / sqrt(D)``.
         is_causal: bottom-right causal masking. Defaults to True (SDPA: False).
         attn_bias, window_size, softcap, alibi_slopes: score modifiers (see the module docstring).
@@ -71,7 +73,7 @@ def tile_fmha(
             denominator (gpt-oss); any float dtype, read as float32.
 
     Returns:
-        ``[B, Hq, Sq, D]`` in q's dtype.
+        ``[B, Hq, Sq, Dv]`` in q's dtype.
 
     Example::
 

@@ -86,9 +86,10 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
     # Unbounded window sides become a reach past either end of the sequences.
     reach = problem.seqlen_q + problem.seqlen_k
     left, right = (reach if side < 0 else side for side in (mods.window or (-1, -1)))
+    block_d, block_d_tail = configs.head_dim_tiles(problem.head_dim)
     return {
         "Bias": placeholder if tensors.bias is None else tensors.bias,
-        "Slopes": _placeholder_slopes(placeholder.device) if tensors.slopes is None else tensors.slopes,
+        "Slopes": _or_unused(tensors.slopes, placeholder.device, 2),
         **split_arguments(softcap_in=problem.softmax_scale / cap, softcap=cap),
         "window_left": left,
         "window_right": right,
@@ -99,31 +100,22 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
         "bias_mode": mods.bias_mode,
         "alibi": mods.alibi,
         "query_group_size": problem.query_group_size,
-        "block_d": configs.head_dim_tiles(problem.head_dim)[0],
-        "block_d_tail": configs.head_dim_tiles(problem.head_dim)[1],
+        "block_d": block_d,
+        "block_d_tail": block_d_tail,
         "block_dv": configs.head_dim_tile(problem.value_dim),
     }
 
 
 @cache
-def _placeholder_slopes(device: torch.device) -> torch.Tensor:
-    return torch.zeros((1, 1), dtype=torch.float32, device=device)
+def _unused(device: torch.device, ndim: int) -> torch.Tensor:
+    """An array argument a kernel does not touch under its switches (ALiBi slopes without
+    ALiBi, the forward's LSE when it writes none, sinks, the sinks' and the LSE's gradients):
+    one fp32 zero of the argument's rank, made once per device."""
+    return torch.zeros((1,) * ndim, dtype=torch.float32, device=device)
 
 
-@cache
-def _placeholder_row_stat(device: torch.device) -> torch.Tensor:
-    """An array argument a kernel does not touch under its switches (the forward's Lse when it
-    writes none, the sinks' gradient, the LSE's gradient)."""
-    return torch.zeros((1, 1, 1), dtype=torch.float32, device=device)
-
-
-def _sinks_argument(tensors: ModTensors, device) -> torch.Tensor:
-    return _placeholder_sinks(device) if tensors.sinks is None else tensors.sinks
-
-
-@cache
-def _placeholder_sinks(device: torch.device) -> torch.Tensor:
-    return torch.zeros((1,), dtype=torch.float32, device=device)
+def _or_unused(tensor: torch.Tensor | None, device: torch.device, ndim: int) -> torch.Tensor:
+    return _unused(device, ndim) if tensor is None else tensor
 
 
 def _positive_scale(q: torch.Tensor, problem: AttentionProblem) -> tuple[torch.Tensor, float]:
@@ -172,8 +164,8 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
         "K": k,
         "V": v,
         "Out": out,
-        "Lse": lse if with_lse else _placeholder_row_stat(device),
-        "Sinks": _sinks_argument(mod_tensors, device),
+        "Lse": lse if with_lse else _unused(device, 3),
+        "Sinks": _or_unused(mod_tensors.sinks, device, 1),
         "with_sinks": problem.mods.sinks,
         **split_arguments(qk_scale_log2=softmax_scale * LOG2E),
         **_modifier_arguments(problem, mod_tensors, q),
@@ -251,15 +243,16 @@ def _sinks_grad_without_keys(problem: AttentionProblem, mod_tensors: ModTensors,
 class RowGradients:
     """The backward's per-row extras: the LSE's gradient it folds into Delta (d_lse, None
     without one), and where the dQ kernel writes each query tile's share of the sinks'
-    gradient ([B, Hq, query tiles of the smallest candidate]; None without), zeroed by zero()
-    before the launch that writes it: a config with larger tiles writes fewer shares."""
+    gradient ([B, Hq, query tiles of the smallest candidate]; None without), zeroed by reset
+    right before the launch that writes it: a config with larger tiles writes fewer shares."""
 
     d_lse: torch.Tensor | None
     d_sinks_partial: torch.Tensor | None
 
-    def zero(self) -> None:
-        if self.d_sinks_partial is not None:
-            self.d_sinks_partial.zero_()
+    @property
+    def reset(self):
+        """The reset of the launch that writes the sinks' shares, None where there are none."""
+        return None if self.d_sinks_partial is None else self.d_sinks_partial.zero_
 
 
 def _row_gradients(launcher: _Launcher, d_lse, sinks_grad: bool, device) -> RowGradients:
@@ -318,11 +311,6 @@ def compile_backward_ahead(
         launcher.compile_ahead(step)
 
 
-def _reset(row_grads: RowGradients):
-    """The reset of the launch that writes the sinks' shares, None where there are none."""
-    return None if row_grads.d_sinks_partial is None else row_grads.zero
-
-
 def _backward_is_empty(problem: AttentionProblem) -> bool:
     return problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0
 
@@ -356,14 +344,13 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
 
     delta, lse_base2 = row_stat(problem, device), row_stat(problem, device)
     fused = dispatch.fused_backward(problem, launcher.candidates, d_bias is not None)
-    placeholder = _placeholder_row_stat(device)
     d_lse, partial = row_grads.d_lse, row_grads.d_sinks_partial
-    lse_grad = {"DLse": placeholder if d_lse is None else d_lse, "lse_grad": d_lse is not None}
+    lse_grad = {"DLse": _or_unused(d_lse, device, 3), "lse_grad": d_lse is not None}
     # Whichever kernel writes the row statistics (the dQ kernel, or the fused backward's
     # preprocess) writes each query tile's share of the sinks' gradient.
     sinks_grad = {
-        "Sinks": _sinks_argument(mod_tensors, device),
-        "DSinks": placeholder if partial is None else partial,
+        "Sinks": _or_unused(mod_tensors.sinks, device, 1),
+        "DSinks": _or_unused(partial, device, 3),
         "sinks_grad": partial is not None,
     }
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
@@ -393,12 +380,12 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
              "block_dv": shared["block_dv"], **lse_grad, **sinks_grad},
-            _reset(row_grads),
+            row_grads.reset,
         )  # fmt: skip
         return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
     dq_values = {**shared, "Out": out, "Lse": lse, "dQ": targets.dq, **lse_grad, **sinks_grad}
-    dq_step = launcher.tuned(BACKWARD_DQ, dq_values, _reset(row_grads))
+    dq_step = launcher.tuned(BACKWARD_DQ, dq_values, row_grads.reset)
     return (dq_step, launcher.tuned(BACKWARD_DKDV, dkdv_values)), targets
 
 
