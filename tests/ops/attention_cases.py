@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tilegym.ops.attention.reference import attention_reference
+
 
 @dataclass(frozen=True)
 class Case:
@@ -88,3 +90,23 @@ def make_inputs(case: Case, dtype, device="cuda", requires_grad=False, generator
     ]
     tensors = [torch.randn(s, dtype=dtype, device=device, generator=generator) for s in shapes]
     return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+def reference_run(q, k, v, d_out, causal: bool, kwargs: dict, compute_dtype, d_lse=None):
+    """(out, lse, grads) of the float reference in compute_dtype, for a call with the keyword
+    arguments kwargs: grads holds dq, dk, dv, then the gradient of each tensor argument that
+    requires grad (attn_bias, sinks), in that order. d_lse, when given, is the LSE's gradient."""
+    inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    ref_kwargs = dict(kwargs)
+    for name in ("attn_bias", "sinks"):
+        tensor = kwargs.get(name)
+        if tensor is not None:
+            ref_kwargs[name] = tensor.detach().to(compute_dtype).requires_grad_(tensor.requires_grad)
+            if tensor.requires_grad:
+                inputs.append(ref_kwargs[name])
+    out, lse = attention_reference(*inputs[:3], is_causal=causal, compute_dtype=compute_dtype, **ref_kwargs)
+    outputs, upstream = [out], [d_out.to(compute_dtype)]
+    if d_lse is not None:
+        outputs.append(lse)
+        upstream.append(d_lse.to(compute_dtype))
+    return out, lse, torch.autograd.grad(outputs, inputs, upstream)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error
+from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error, reference_run
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import launch
@@ -31,30 +31,13 @@ def _sinks(case: Case, dtype=torch.float32, requires_grad=True):
     return (torch.randn(case.q_heads, device="cuda", dtype=dtype) * 2).requires_grad_(requires_grad)
 
 
-def _reference(q, k, v, d_out, d_lse, causal, kwargs, compute_dtype):
-    """(out, lse, grads of q, k, v and the sinks) of the reference in compute_dtype."""
-    inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    ref_kwargs = dict(kwargs)
-    sinks = kwargs.get("sinks")
-    if sinks is not None:
-        ref_kwargs["sinks"] = sinks.detach().to(compute_dtype).requires_grad_()
-        inputs.append(ref_kwargs["sinks"])
-    out, lse = attention_reference(*inputs[:3], is_causal=causal, compute_dtype=compute_dtype, **ref_kwargs)
-    outputs, upstream = [out], [d_out.to(compute_dtype)]
-    if d_lse is not None:
-        outputs.append(lse)
-        upstream.append(d_lse.to(compute_dtype))
-    grads = torch.autograd.grad(outputs, inputs, upstream)
-    return out, lse, grads
-
-
 def check(case: Case, dtype, causal: bool, kwargs: dict, lse_grad: bool):
     q, k, v = make_inputs(case, dtype)
     d_out = torch.randn_like(q)
     d_lse = torch.randn(q.shape[:3], device="cuda", dtype=torch.float32) if lse_grad else None
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, d_out, d_lse, causal, kwargs, torch.float64)
+    ref_out, ref_lse, ref_grads = reference_run(q, k, v, d_out, causal, kwargs, torch.float64, d_lse)
     base_dtype = torch.float64 if dtype == torch.float64 else dtype
-    base_out, _, base_grads = _reference(q, k, v, d_out, d_lse, causal, kwargs, base_dtype)
+    base_out, _, base_grads = reference_run(q, k, v, d_out, causal, kwargs, base_dtype, d_lse)
 
     problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
     out = torch.full_like(q, math.nan)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import assert_close_to_reference, max_error
+from tests.ops.attention_cases import assert_close_to_reference, max_error, reference_run
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import launch
@@ -26,20 +26,14 @@ def _inputs(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, value_dim, d
     return q, k, v
 
 
-def _reference(q, k, v, d_out, causal, kwargs, compute_dtype):
-    inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_reference(*inputs, is_causal=causal, compute_dtype=compute_dtype, **kwargs)
-    return out, lse, torch.autograd.grad(out, inputs, d_out.to(compute_dtype))
-
-
 def check(shape, dtype, causal, kwargs=None):
     kwargs = kwargs or {}
     q, k, v = _inputs(*shape, dtype)
     out_shape = (*q.shape[:3], v.shape[3])
     d_out = torch.randn(out_shape, device="cuda", dtype=dtype)
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, d_out, causal, kwargs, torch.float64)
+    ref_out, ref_lse, ref_grads = reference_run(q, k, v, d_out, causal, kwargs, torch.float64)
     base_dtype = torch.float64 if dtype == torch.float64 else dtype
-    base_out, _, base_grads = _reference(q, k, v, d_out, causal, kwargs, base_dtype)
+    base_out, _, base_grads = reference_run(q, k, v, d_out, causal, kwargs, base_dtype)
 
     problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
     assert problem.value_dim == v.shape[3]

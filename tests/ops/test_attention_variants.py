@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error
+from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error, reference_run
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import launch
@@ -98,27 +98,13 @@ VARIANTS = {
 }
 
 
-def _reference_run(q, k, v, d_out, causal, kwargs, compute_dtype):
-    """(out, lse, grads of q, k, v and the bias) of the reference in compute_dtype."""
-    inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    ref_kwargs = dict(kwargs)
-    bias = kwargs.get("attn_bias")
-    if bias is not None:
-        ref_kwargs["attn_bias"] = bias.detach().to(compute_dtype).requires_grad_(bias.requires_grad)
-        if bias.requires_grad:
-            inputs.append(ref_kwargs["attn_bias"])
-    out, lse = attention_reference(*inputs[:3], is_causal=causal, compute_dtype=compute_dtype, **ref_kwargs)
-    grads = torch.autograd.grad(out, inputs, d_out.to(compute_dtype))
-    return out, lse, grads
-
-
 def check_variant(case: Case, dtype, causal: bool, kwargs: dict):
     """Training forward (outputs poisoned with NaN first), LSE, dq, dk, dv and dBias."""
     q, k, v = make_inputs(case, dtype)
     d_out = torch.randn_like(q)
-    ref_out, ref_lse, ref_grads = _reference_run(q, k, v, d_out, causal, kwargs, torch.float64)
+    ref_out, ref_lse, ref_grads = reference_run(q, k, v, d_out, causal, kwargs, torch.float64)
     base_dtype = torch.float64 if dtype == torch.float64 else dtype
-    base_out, _, base_grads = _reference_run(q, k, v, d_out, causal, kwargs, base_dtype)
+    base_out, _, base_grads = reference_run(q, k, v, d_out, causal, kwargs, base_dtype)
 
     problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
     out = torch.full_like(q, math.nan)
