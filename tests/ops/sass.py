@@ -50,7 +50,7 @@ from tilegym.ops.attention.variants import VARIANTS
 # The score modifiers' switches, all off: plain attention.
 PLAIN = {
     "windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0, "with_sinks": False,
-    "lse_grad": False, "sinks_grad": False,
+    "lse_grad": False, "sinks_grad": False, "varlen": False,
 }  # fmt: skip
 # Per-row arrays [B, H, S] in the accumulators' dtype: statistics, the LSE's gradient, and the
 # per-tile shares of the sinks' gradient ([B, H, query tiles]).
@@ -125,6 +125,8 @@ def signature(
             params.append(array_constraint(stat_dtype, 3 if param_name in _ROW_STATS else 4, index_dtype))
         elif param_name == "Slopes":
             params.append(array_constraint(ct.float32, 2, index_dtype))
+        elif param_name in ("CuSeqlensQ", "CuSeqlensK"):
+            params.append(array_constraint(ct.int32, 1, index_dtype))
         elif param_name == "Sinks":
             params.append(array_constraint(stat_dtype, 1, index_dtype))
         else:

@@ -1,5 +1,11 @@
 """Public entry points of every op."""
 
-from tilegym.ops.attention import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym.ops.attention import (
+    fmha_forward_with_lse,
+    tile_fmha,
+    tile_fmha_functional,
+    tile_fmha_varlen,
+    tile_fmha_with_backward,
+)
 
-__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional"]
+__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional", "tile_fmha_varlen"]

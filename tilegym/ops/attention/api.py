@@ -40,9 +40,10 @@ from torch import Tensor
 
 from tilegym.ops.attention import custom_ops, launch
 from tilegym.ops.attention.autograd import AttentionFunction
+from tilegym.ops.attention.packing import check_packed_inputs, heads_major, rows_major
 from tilegym.ops.attention.problem import check_inputs
 
-__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional"]
+__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional", "tile_fmha_varlen"]
 
 Window = tuple[int, int] | list[int] | None
 
@@ -163,6 +164,67 @@ def tile_fmha_with_backward(
     return (out, lse) if return_lse else out
 
 
+def tile_fmha_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scaling: float | None = None,
+    is_causal: bool = True,
+    *,
+    window_size: Window = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over a packed batch of variable-length sequences, differentiable with respect to
+    q, k, v and sinks. Arguments as FlashAttention's ``flash_attn_varlen_func``.
+
+    Args:
+        q: ``[total_q, Hq, D]``, the query rows of every sequence one after another.
+        k, v: ``[total_k, Hkv, D]`` and ``[total_k, Hkv, Dv]``, likewise. Any strides with a
+            contiguous head dim: q, k, v may be views of one packed ``[total, 3, H, D]`` tensor.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[N + 1]`` on q's device, the cumulative lengths:
+            sequence s has query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and key rows
+            ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``. Rows past the last sequence are left out
+            (output 0, LSE -inf, gradients 0).
+        max_seqlen_q, max_seqlen_k: the longest query and key lengths, Python ints (a 0-d tensor
+            is read with one host synchronisation). They size the grid: a longer sequence is cut
+            to them. Inconsistent cumulative lengths never make a kernel read or write outside
+            the tensors (they are clamped on the GPU); ``TILEGYM_CHECK_VARLEN=1`` checks them on
+            the host (one synchronisation) and raises instead.
+        scaling, is_causal, window_size, softcap, sinks: as tile_fmha, per sequence: causal
+            masking is bottom-right within each sequence (query i of a sequence with Lq queries
+            and Lk keys sees key j iff ``j <= i + Lk - Lq``).
+        alibi_slopes: float32 ``[Hq]`` or ``[N, Hq]`` (one row per sequence).
+        return_lse: return ``(out, lse)``, lse ``[Hq, total_q]`` float32 (float64 for float64
+            inputs), natural log, gradients flowing from both.
+
+    Returns:
+        ``[total_q, Hq, Dv]`` in q's dtype, or ``(out, lse)``.
+
+    Each call runs without a host synchronisation, in CUDA graphs too; the backward is
+    deterministic. Example::
+
+        lengths = [1000, 37, 3011]
+        cu = torch.tensor([0, 1000, 1037, 4048], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(4048, 8, 128, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        out = tile_fmha_varlen(q, k, v, cu, cu, max(lengths), max(lengths))
+        out.sum().backward()
+    """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
+    out, lse = _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, differentiable=True)
+    return (out, lse) if return_lse else out
+
+
 def tile_fmha_functional(
     q: Tensor,
     k: Tensor,
@@ -177,15 +239,37 @@ def tile_fmha_functional(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     return_lse: bool = False,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """tile_fmha_with_backward or the inference kernels, by training: True, the differentiable
     path; False, the inference kernels (tile_fmha, or fmha_forward_with_lse with return_lse);
     None, the differentiable path iff grad mode is on and any of q, k, v, attn_bias, sinks
-    requires grad. Other arguments as tile_fmha_with_backward."""
+    requires grad. Other arguments as tile_fmha_with_backward.
+
+    With cu_seqlens_q and cu_seqlens_k (and max_seqlen_q, max_seqlen_k), q, k and v are a packed
+    batch, as tile_fmha_varlen takes it (no attn_bias); training=False then returns the same
+    values without a gradient."""
     if training is None:
         training = _needs_grad(q, k, v, attn_bias, sinks)
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if attn_bias is not None:
+            raise ValueError(
+                "attn_bias is not supported with a packed batch (cu_seqlens_q); use window_size or alibi_slopes"
+            )
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
+        out, lse = _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training)
+        return (out, lse) if return_lse else out
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None:
+            raise ValueError(f"{name} is given without cu_seqlens_q and cu_seqlens_k: a packed batch needs all four")
     mods = {
         "attn_bias": attn_bias, "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,
         "sinks": sinks,
@@ -212,6 +296,49 @@ class _Mods:
             q, k, v, scaling, is_causal, self.attn_bias, self.window_size, self.softcap, self.alibi_slopes,
             sinks=self.sinks,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """The packed-batch arguments of one call, as the caller gave them."""
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool):
+    """(out [total_q, Hq, Dv], lse [Hq, total_q] or None) of a packed batch: through autograd
+    when differentiable and a gradient is wanted, else the forward alone."""
+    if torch.compiler.is_compiling():
+        out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, differentiable)
+        return out, lse if with_lse else None
+    problem, mod_tensors, cu_seqlens = check_packed_inputs(
+        q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
+        is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
+    )  # fmt: skip
+    views = heads_major(q), heads_major(k), heads_major(v)
+    if differentiable and _needs_grad(q, k, v, mods.sinks):
+        sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
+        launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
+        out, lse = AttentionFunction.apply(*views, None, mods.sinks, problem, mod_tensors, cu_seqlens)
+    else:
+        out, lse = launch.forward(*views, problem, with_lse=with_lse, mod_tensors=mod_tensors, cu_seqlens=cu_seqlens)
+    return rows_major(out), (lse[0] if with_lse else None)
+
+
+def _packed_custom_op(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, differentiable: bool):
+    """The packed call as custom_ops.attention_varlen (see _custom_op)."""
+    tensors = (q, k, v, mods.alibi_slopes, mods.sinks)
+    if not differentiable:
+        tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
+    q, k, v, alibi_slopes, sinks = tensors
+    window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
+    return custom_ops.attention_varlen(
+        q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, alibi_slopes,
+        sinks, scaling, is_causal, window, mods.softcap,
+    )  # fmt: skip
 
 
 def _needs_grad(*tensors) -> bool:

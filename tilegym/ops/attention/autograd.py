@@ -15,14 +15,16 @@ class AttentionFunction(torch.autograd.Function):
     mod_tensors, their normalized views, and the ALiBi slopes from there (no gradient).
     A gradient of the LSE folds into the backward's row statistic: dLSE_i adds dLSE_i * P_ij
     to each score's gradient, which is Delta_i - dLSE_i in place of Delta_i.
+    A packed batch passes heads_major views of its tensors and its cumulative lengths.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, sinks, problem: AttentionProblem, mod_tensors: ModTensors):
-        out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
+    def forward(ctx, q, k, v, attn_bias, sinks, problem: AttentionProblem, mod_tensors: ModTensors, cu_seqlens=None):
+        out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors, cu_seqlens=cu_seqlens)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         ctx.mod_tensors = mod_tensors
+        ctx.cu_seqlens = cu_seqlens
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return out, lse
@@ -35,6 +37,7 @@ class AttentionFunction(torch.autograd.Function):
         grads = launch.backward(
             d_out, q, k, v, out, lse, ctx.problem, mod_tensors=ctx.mod_tensors,
             bias_grad=ctx.needs_input_grad[3], d_lse=d_lse, sinks_grad=ctx.needs_input_grad[4],
+            cu_seqlens=ctx.cu_seqlens,
         )  # fmt: skip
         d_sinks = None if grads.d_sinks is None else grads.d_sinks.to(ctx.sinks_dtype)
-        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None
+        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None, None

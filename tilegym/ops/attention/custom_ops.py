@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tilegym.ops.attention import launch
+from tilegym.ops.attention.packing import check_packed_inputs, heads_major, rows_major
 from tilegym.ops.attention.problem import check_inputs
 
 _NAMESPACE = "tilegym"
@@ -128,3 +129,116 @@ def _backward(ctx, d_out, d_lse):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- packed variable-length batches ----------------------------------------------------------
+
+
+def _packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling,
+                    is_causal, window_size, softcap, read_contents=True):  # fmt: skip
+    return check_packed_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal,
+        None if window_size is None else tuple(window_size), softcap, alibi_slopes, sinks, read_contents,
+    )  # fmt: skip
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention_varlen", mutates_args=())
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
+    scaling: float | None,
+    is_causal: bool,
+    window_size: list[int] | None,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """(out [total_q, Hq, Dv], lse [Hq, total_q]) of a packed batch (api.tile_fmha_varlen)."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
+            window_size, softcap)  # fmt: skip
+    problem, mod_tensors, cu_seqlens = _packed_problem(*args)
+    views = heads_major(q), heads_major(k), heads_major(v)
+    out, lse = launch.forward(*views, problem, with_lse=True, mod_tensors=mod_tensors, cu_seqlens=cu_seqlens)
+    return rows_major(out), lse[0]
+
+
+@attention_varlen.register_fake
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
+                           scaling, is_causal, window_size, softcap):  # fmt: skip
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
+            window_size, softcap)  # fmt: skip
+    problem, _, _ = _packed_problem(*args, read_contents=False)
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    return out, launch.row_stat(problem, q.device)[0]
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(
+    d_out: Tensor,
+    d_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
+    scaling: float | None,
+    is_causal: bool,
+    window_size: list[int] | None,
+    softcap: float | None,
+    sinks_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_sinks) of a packed batch; d_sinks is empty unless sinks_grad."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
+            window_size, softcap)  # fmt: skip
+    problem, mod_tensors, cu_seqlens = _packed_problem(*args)
+    grads = launch.backward(
+        heads_major(d_out), heads_major(q), heads_major(k), heads_major(v), heads_major(out), lse[None], problem,
+        mod_tensors=mod_tensors, d_lse=None if d_lse is None else d_lse[None], sinks_grad=sinks_grad,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    d_sinks = _absent(q) if grads.d_sinks is None else grads.d_sinks.to(sinks.dtype)
+    return rows_major(grads.dq), rows_major(grads.dk), rows_major(grads.dv), d_sinks
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(d_out, d_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, alibi_slopes, sinks, scaling, is_causal, window_size, softcap,
+                                    sinks_grad):  # fmt: skip
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+    d_sinks = sinks.new_empty(sinks.shape) if sinks_grad else _absent(q)
+    return (*grads, d_sinks)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, *settings = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    ctx.set_materialize_grads(False)
+    ctx.lengths = (max_seqlen_q, max_seqlen_k)
+    ctx.settings = tuple(settings)
+
+
+def _varlen_backward(ctx, d_out, d_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
+    sinks_grad = ctx.needs_input_grad[8]
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    dq, dk, dv, d_sinks = attention_varlen_backward(
+        d_out, d_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alibi_slopes, sinks,
+        *ctx.settings, sinks_grad,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, d_sinks if sinks_grad else None, None, None, None, None
+
+
+attention_varlen.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)

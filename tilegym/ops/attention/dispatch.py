@@ -34,7 +34,7 @@ def backward_choice() -> str:
 def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> str | None:
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
-    Fused only for plain attention (sinks allowed), V no wider than Q, where the arch has a fused
+    Fused only for dense batches of plain attention (sinks allowed), V no wider than Q, where the arch has a fused
     table (candidates(name) is not empty), never under torch.use_deterministic_algorithms (the
     order of the fp32 sums varies between runs); "auto" also needs FUSED_BACKWARD_MIN_SEQLEN_K
     keys. Causal grouped-query attention takes the grouped form: a program per query head
@@ -42,6 +42,10 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
+        return None
+    if problem.packing:
+        # The fused backward sums dQ over rows padded to whole tiles per batch entry; a packed
+        # batch's sequences share rows, so it takes the two-kernel (deterministic) backward.
         return None
     grouped = problem.causal and problem.query_group_size > 1
     name = BACKWARD_FUSED_GROUPED if grouped else BACKWARD_FUSED

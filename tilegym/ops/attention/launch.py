@@ -12,7 +12,8 @@ import torch
 
 from tilegym import autotune, index_width
 from tilegym.launching import NamedArguments, TunedLauncher, addressable, split_arguments
-from tilegym.ops.attention import configs, dispatch, score_mods
+from tilegym.ops.attention import configs, dispatch, packing, score_mods
+from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
 from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, ModTensors, ScoreMods
 from tilegym.ops.attention.variants import (
@@ -29,12 +30,18 @@ from tilegym.ops.attention.variants import (
 
 
 def output(q: torch.Tensor, problem: AttentionProblem) -> torch.Tensor:
-    """An uninitialized, contiguous output [B, Hq, Sq, Dv] in q's dtype."""
+    """An uninitialized, contiguous output [B, Hq, Sq, Dv] in q's dtype; packed, a zeroed
+    [total_q, Hq, Dv] as its [1, Hq, total_q, Dv] view (packing.empty_rows)."""
+    if problem.packing:
+        return packing.empty_rows(problem.packing.total_q, problem.q_heads, problem.value_dim, q)
     return q.new_empty((*q.shape[:3], problem.value_dim))
 
 
-def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
-    """An uninitialized [B, Hq, Sq] row statistic (the LSE, Delta): fp64 for fp64 inputs, else fp32."""
+def row_stat(problem: AttentionProblem, device, fill: float | None = None) -> torch.Tensor:
+    """A [B, Hq, Sq] row statistic (the LSE, Delta), packed [1, Hq, total_q]: fp64 for fp64
+    inputs, else fp32; fill: the value of rows no program writes (None: uninitialized)."""
+    if problem.packing:
+        return packing.row_stat(problem, device, fill)
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
     return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=dtype, device=device)
 
@@ -70,13 +77,26 @@ class _Launcher(TunedLauncher):
         block = "block_m" if variant.tiles == "query" else "block_n"
         named = NamedArguments(kernel, {**values, **variant.fixed}, late=("block_m", "block_n"))
 
+        tiles = packing.tiles if problem.packing else lambda length, size: math.ceil(length / size)
+
         def grid(config):
-            return (math.ceil(seqlen / getattr(config, block)), heads, problem.batch)
+            return (tiles(seqlen, getattr(config, block)), heads, problem.batch)
 
         def arguments(config):
             return named(block_m=config.block_m, block_n=config.block_n)
 
         return autotune.TunedKernel(name, kernel, grid, arguments, before_each)
+
+
+def _packing_arguments(problem: AttentionProblem, cu_seqlens: CuSeqlens | None, device) -> dict:
+    """The kernels' arguments of a packed batch by name; placeholders for a dense one."""
+    if problem.packing is None:
+        unused = _unused(device, 1, torch.int32)
+        return {"CuSeqlensQ": unused, "CuSeqlensK": unused, "max_seqlen_q": 0, "max_seqlen_k": 0, "varlen": False}
+    return {
+        "CuSeqlensQ": cu_seqlens.q, "CuSeqlensK": cu_seqlens.k,
+        "max_seqlen_q": problem.seqlen_q, "max_seqlen_k": problem.seqlen_k, "varlen": True,
+    }  # fmt: skip
 
 
 def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor) -> dict:
@@ -107,11 +127,12 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
 
 
 @cache
-def _unused(device: torch.device, ndim: int) -> torch.Tensor:
+def _unused(device: torch.device, ndim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An array argument a kernel does not touch under its switches (ALiBi slopes without
-    ALiBi, the forward's LSE when it writes none, sinks, the sinks' and the LSE's gradients):
-    one fp32 zero of the argument's rank, made once per device."""
-    return torch.zeros((1,) * ndim, dtype=torch.float32, device=device)
+    ALiBi, the forward's LSE when it writes none, sinks, the sinks' and the LSE's gradients,
+    the cumulative lengths of a dense batch): one zero of the argument's rank and dtype, made
+    once per device."""
+    return torch.zeros((1,) * ndim, dtype=dtype, device=device)
 
 
 def _or_unused(tensor: torch.Tensor | None, device: torch.device, ndim: int) -> torch.Tensor:
@@ -130,8 +151,12 @@ def _positive_scale(q: torch.Tensor, problem: AttentionProblem) -> tuple[torch.T
     return q * 0, 1.0
 
 
-def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None, mod_tensors=NO_TENSORS):
-    """out (and lse when with_lse) of validated inputs.
+def forward(
+    q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None, mod_tensors=NO_TENSORS, cu_seqlens=None
+):
+    """out (and lse when with_lse) of validated inputs; packed (problem.packing), q, k and v are
+    heads_major views, cu_seqlens their CuSeqlens, and out and lse cover every row: zeros and
+    -inf where no sequence is.
 
     out and lse may be given (contiguous, right shape and dtype) to be written in place.
     """
@@ -140,10 +165,10 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
     if out is None:
         out = output(q, problem)
     if lse is None and with_lse:
-        lse = row_stat(problem, device)
+        lse = row_stat(problem, device, -math.inf if problem.packing else None)
     if problem.is_empty:
         return out, lse
-    if problem.seqlen_k == 0:  # no key to attend to: every row is empty
+    if problem.seqlen_k == 0 and not problem.packing:  # no key to attend to: every row is empty
         out.zero_()
         if lse is not None:
             if mod_tensors.sinks is None:
@@ -169,6 +194,7 @@ def forward(q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=No
         "with_sinks": problem.mods.sinks,
         **split_arguments(qk_scale_log2=softmax_scale * LOG2E),
         **_modifier_arguments(problem, mod_tensors, q),
+        **_packing_arguments(problem, cu_seqlens, device),
     }
     launcher.launch(launcher.tuned(name, values))
     return out, lse
@@ -199,12 +225,14 @@ def backward(
     bias_grad=False,
     d_lse=None,
     sinks_grad=False,
+    cu_seqlens=None,
 ) -> Gradients:
     """Gradients of validated inputs, given the forward's out and lse.
 
     grads, a (dq, dk, dv) of contiguous tensors, may be given to be written in place. d_lse, the
     gradient of the LSE output (None: none), folds into the row statistics. sinks_grad asks for
-    the sinks' gradient, summed over batch and rows in a fixed order (deterministic).
+    the sinks' gradient, summed over batch and rows in a fixed order (deterministic). Packed
+    (cu_seqlens, as forward), the gradients cover every row: zeros where no sequence is.
     """
     dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
     sinks_grad = sinks_grad and problem.mods.sinks
@@ -218,7 +246,9 @@ def backward(
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     launcher = _Launcher(problem, q.device)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
-    steps, targets = _backward_steps(launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads)
+    steps, targets = _backward_steps(
+        launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens
+    )
     # Everything is prepared before the first launch: host work between launches would leave
     # the GPU idle after a short one.
     for step in steps:
@@ -234,7 +264,7 @@ def _sinks_grad_without_keys(problem: AttentionProblem, mod_tensors: ModTensors,
     (P_sink 1, output 0, Delta -dLSE), so dSink_h is the sum of dLSE over the head's rows; a -inf
     sink leaves LSE -inf and takes no gradient."""
     sinks = mod_tensors.sinks
-    if d_lse is None or problem.is_empty:
+    if d_lse is None or problem.is_empty:  # packed, only is_empty gets here: no row is covered
         return torch.zeros_like(sinks)
     return torch.where(sinks == -math.inf, 0.0, d_lse.to(sinks.dtype).sum(dim=(0, 2)))
 
@@ -280,7 +310,7 @@ _COMPILED_AHEAD_MAX = 256
 
 
 def compile_backward_ahead(
-    q, k, v, problem: AttentionProblem, mod_tensors=NO_TENSORS, bias_grad=False, sinks_grad=False
+    q, k, v, problem: AttentionProblem, mod_tensors=NO_TENSORS, bias_grad=False, sinks_grad=False, cu_seqlens=None
 ) -> None:
     """Starts compiling, in background threads, the kernels backward() will launch for this
     problem (autotune.compile_ahead), once per problem: the training forward calls it first, so
@@ -304,7 +334,9 @@ def compile_backward_ahead(
         lse = row_stat(problem, q.device)
         dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
         row_grads = _row_gradients(launcher, None, sinks_grad, q.device)
-        steps, _ = _backward_steps(launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads)
+        steps, _ = _backward_steps(
+            launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens
+        )
     except torch.cuda.OutOfMemoryError:
         return
     for step in steps:
@@ -312,12 +344,17 @@ def compile_backward_ahead(
 
 
 def _backward_is_empty(problem: AttentionProblem) -> bool:
-    return problem.is_empty or problem.seqlen_k == 0 or problem.kv_heads == 0
+    """Whether no program has work. A packed batch whose sequences have no keys still runs: its
+    rows' statistics (and the sinks' gradient) come from the dQ kernel."""
+    no_keys = problem.seqlen_k == 0 and not problem.packing
+    return problem.is_empty or no_keys or problem.kv_heads == 0
 
 
 def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensors, bias_grad: bool):
     """(dq, dk, dv, d_bias) to write: grads or new tensors; d_bias None without a bias gradient."""
-    if grads is None:
+    if grads is None and problem.packing:
+        grads = tuple([packing.empty_rows(t.shape[2], t.shape[1], t.shape[3], t) for t in (q, k, v)])
+    elif grads is None:
         grads = tuple([torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)])
     mods = problem.mods
     if not bias_grad or mods.bias_mode == BIAS_NONE:
@@ -336,7 +373,9 @@ def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensor
     return (*grads, d_bias)
 
 
-def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads):
+def _backward_steps(
+    launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens=None
+):
     """The backward's launches, in order, and where they write dQ, dK and dV."""
     problem = launcher.problem
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
@@ -365,6 +404,7 @@ def _backward_steps(launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d
         "Delta": delta,
         **split_arguments(softmax_scale=problem.softmax_scale, qk_scale_log2=problem.softmax_scale * LOG2E),
         **_modifier_arguments(problem, mod_tensors, q),
+        **_packing_arguments(problem, cu_seqlens, device),
     }
     dkdv_values = {
         **shared,

@@ -22,6 +22,16 @@ _FP32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
+class Packing:
+    """A packed variable-length batch (kernels/packed.py): AttentionProblem.batch counts its
+    sequences and seqlen_q, seqlen_k are the longest lengths the call was given; the arrays
+    hold total_q and total_k rows."""
+
+    total_q: int
+    total_k: int
+
+
+@dataclass(frozen=True)
 class AttentionProblem:
     """Validated sizes of one attention call."""
 
@@ -39,6 +49,8 @@ class AttentionProblem:
     wide_index: bool = False
     # V's and the output's head dim where it differs from Q's and K's (None: the same).
     head_dim_v: int | None = None
+    # A packed variable-length batch (None: dense [B, H, S, D] tensors).
+    packing: Packing | None = None
 
     @property
     def value_dim(self) -> int:
@@ -63,7 +75,7 @@ class AttentionProblem:
             f"{arch}|{str(self.dtype).removeprefix('torch.')}|d{self.head_dim}"
             f"{'' if self.head_dim_v is None else f'v{self.head_dim_v}'}|g{self.query_group_size}"
             f"|{'causal' if self.causal else 'full'}|sq{pow2_ceil(self.seqlen_q)}|sk{pow2_ceil(self.seqlen_k)}"
-            f"{self.mods.key()}{'|int64-index' if self.wide_index else ''}"
+            f"{self.mods.key()}{'|int64-index' if self.wide_index else ''}{'|varlen' if self.packing else ''}"
         )
 
 

@@ -185,8 +185,9 @@ def check_bias(
     return mode, bias.detach()
 
 
-def check_alibi(alibi_slopes, q: torch.Tensor, q_heads: int) -> torch.Tensor | None:
-    """alibi_slopes, float32 [Hq] or [B, Hq], as a contiguous [1 or B, Hq]."""
+def check_alibi(alibi_slopes, q: torch.Tensor, q_heads: int, batch: int | None = None) -> torch.Tensor | None:
+    """alibi_slopes, float32 [Hq] or [B, Hq], as a contiguous [1 or B, Hq]; batch: B where it is
+    not q's first dim (the sequences of a packed batch)."""
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -195,7 +196,7 @@ def check_alibi(alibi_slopes, q: torch.Tensor, q_heads: int) -> torch.Tensor | N
         raise TypeError(f"alibi_slopes must be torch.float32, got {alibi_slopes.dtype}")
     if alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {alibi_slopes.device}")
-    batch = q.shape[0]
+    batch = q.shape[0] if batch is None else batch
     if tuple(alibi_slopes.shape) not in ((q_heads,), (batch, q_heads)):
         raise ValueError(
             f"alibi_slopes must have shape [q heads] = [{q_heads}] or [batch, q heads] = [{batch}, {q_heads}], "

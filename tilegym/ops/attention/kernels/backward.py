@@ -18,6 +18,7 @@ from tilegym.ops.attention.kernels.head import (
     store_head,
 )
 from tilegym.ops.attention.kernels.modifiers import head_mods, pre_cap_gradient, scores, softcap_values
+from tilegym.ops.attention.kernels.packed import past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
 from tilegym.ops.attention.kernels.state import DqTile, KeyState, KeyTile, RowStats, Scoring, Switches, Tiling
@@ -216,6 +217,11 @@ def attention_backward_dkdv_kernel(
     bias_grad: ConstInt,
     sum_dq: ConstBool,
     sum_dkdv: ConstBool,
+    CuSeqlensQ,
+    CuSeqlensK,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    varlen: ConstBool,
 ):
     """dK and dV (and dBias, with bias_grad) of one key tile of one KV head.
 
@@ -231,6 +237,7 @@ def attention_backward_dkdv_kernel(
     padded to block_n, D]) that the programs of a group add into: a group's heads run side
     by side instead of one after another in one program, which balances the GPU's load when
     few KV heads make few programs.
+    varlen: a packed batch (packed.py; never with sum_dq, whose padded sums are per batch entry).
     """
     if causal and sum_dq:
         # Causal key tiles near the start of the sequence are seen by the most query tiles.
@@ -245,6 +252,20 @@ def attention_backward_dkdv_kernel(
         kv_head = head
         first_q_head = kv_head * query_group_size
         members = query_group_size
+    seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes
+    if varlen:
+        k_rows = sequence_rows(CuSeqlensK, seq, K, max_seqlen_k)
+        if past_the_end(kv_tile * block_n, k_rows):
+            return
+        q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
+        Q, dOut, LseBase2, Delta = (
+            rows_of(Q, q_rows),
+            rows_of(dOut, q_rows),
+            rows_of(LseBase2, q_rows),
+            rows_of(Delta, q_rows),
+        )
+        K, V, dK, dV = rows_of(K, k_rows), rows_of(V, k_rows), rows_of(dK, k_rows), rows_of(dV, k_rows)
+        b = 0
     lengths = seqlens(Q, K)
     acc_dtype = accumulator_dtype(K.dtype)
     qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
@@ -262,7 +283,9 @@ def attention_backward_dkdv_kernel(
 
     for group_member in range(members):
         q_head = first_q_head + group_member
-        mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
+        mods = head_mods(
+            Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi
+        )
         scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal)
         # A held dQ share starts as zeros "for" query tile 0, which always exists: the first
         # step adds them there, so no step needs a branch (one spare reduction per head).
@@ -354,20 +377,38 @@ def attention_backward_dq_kernel(
     alibi: ConstBool,
     lse_grad: ConstBool,
     sinks_grad: ConstBool,
+    CuSeqlensQ,
+    CuSeqlensK,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    varlen: ConstBool,
 ):
     """dQ of one query tile, looping over the key tiles it sees; first the tile's row statistics
     (_row_stats), which the dK/dV kernel launched after it reads: no preprocess kernel, and Out
     costs a load of one tile per program instead of a pass of its own over Out and dOut.
     lse_grad: DLse, the LSE's gradient, folds into Delta. sinks_grad: the tile's share of the
-    sinks' gradient goes to DSinks [B, Hq, query tiles]. Unused arrays are placeholders."""
+    sinks' gradient goes to DSinks [B, Hq, query tiles]. Unused arrays are placeholders.
+    varlen: a packed batch (packed.py); grid axis 2 counts its sequences, DSinks' axis 0 too."""
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
+    seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes and DSinks' row
+    if varlen:
+        q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
+        if past_the_end(q_tile * block_m, q_rows):
+            return
+        k_rows = sequence_rows(CuSeqlensK, seq, K, max_seqlen_k)
+        Q, dOut, Out, Lse = rows_of(Q, q_rows), rows_of(dOut, q_rows), rows_of(Out, q_rows), rows_of(Lse, q_rows)
+        LseBase2, Delta, dQ = rows_of(LseBase2, q_rows), rows_of(Delta, q_rows), rows_of(dQ, q_rows)
+        if lse_grad:
+            DLse = rows_of(DLse, q_rows)
+        K, V = rows_of(K, k_rows), rows_of(V, k_rows)
+        b = 0
     lengths = seqlens(Q, K)
     acc_dtype = accumulator_dtype(Q.dtype)
     qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     softmax_scale = scale(softmax_scale, softmax_scale_lo, acc_dtype)
     switches = Switches(windowed, capped, bias_mode, alibi)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
-    mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
+    mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
     scoring = Scoring(
         qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
     )
@@ -377,7 +418,7 @@ def attention_backward_dq_kernel(
     out = load_rows(Out, b, q_head, q_tile, block_m, block_dv)
     stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
-        _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile)
+        _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     d_query = head_zeros(block_m, scoring.tiling, acc_dtype)
 

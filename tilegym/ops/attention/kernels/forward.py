@@ -10,6 +10,7 @@ import cuda.tile as ct
 from tilegym.kernel_cache import CachedKernel
 from tilegym.ops.attention.kernels.head import head_dot, load_head
 from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, scores, softcap_values
+from tilegym.ops.attention.kernels.packed import past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
 from tilegym.ops.attention.kernels.state import ForwardState, ForwardTile, Scoring, Switches, Tiling
@@ -206,6 +207,11 @@ def attention_forward_kernel(
     with_sinks: ConstBool,
     write_lse: ConstBool,
     fixed_max: ConstBool,
+    CuSeqlensQ,
+    CuSeqlensK,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    varlen: ConstBool,
 ):
     """One query tile of out = softmax(scores) v; with write_lse also lse = log(sum_j
     exp(score_ij)) (natural log), the backward's statistic. Without it, Lse is not touched (a
@@ -213,14 +219,25 @@ def attention_forward_kernel(
     with_sinks: each row's denominator also holds exp(Sinks[q_head]) (_with_sink).
     Layout: q [B, Hq, Sq, D]; k [B, Hkv, Sk, D]; v [B, Hkv, Sk, Dv]; out [B, Hq, Sq, Dv]; lse
     [B, Hq, Sq]; sinks [Hq]. block_d (and block_d_tail, head.py) tiles D, block_dv tiles Dv.
+    varlen: a packed batch (packed.py); grid axis 2 counts its sequences.
     """
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
+    seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes
+    if varlen:
+        q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
+        if past_the_end(q_tile * block_m, q_rows):
+            return
+        k_rows = sequence_rows(CuSeqlensK, seq, K, max_seqlen_k)
+        Q, Out, K, V = rows_of(Q, q_rows), rows_of(Out, q_rows), rows_of(K, k_rows), rows_of(V, k_rows)
+        if write_lse:
+            Lse = rows_of(Lse, q_rows)
+        b = 0
     lengths = seqlens(Q, K)
     acc_dtype = accumulator_dtype(Q.dtype)
     qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     switches = Switches(windowed, capped, bias_mode, alibi)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
-    mods = head_mods(Bias, Slopes, b, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
+    mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
     scoring = Scoring(
         qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
     )

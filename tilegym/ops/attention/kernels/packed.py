@@ -1,0 +1,52 @@
+"""Packed variable-length batches: arrays hold every sequence's rows one after another along the
+sequence axis ([1, H, total, ...] views of [total, H, ...] tensors), and grid axis 2 counts
+sequences instead of batch entries. A program reads its sequence's rows from the cumulative
+lengths and slices each array it touches to them, so the rest of a kernel sees one ordinary
+sequence at batch index 0: lengths, masks and tile loops are those of the dense path.
+
+The grid covers the longest sequence's tiles for every sequence: a program whose tile starts
+past its own sequence's end returns at once (past_the_end). A sequence with no keys (or no
+queries) has an empty slice of them, which its programs' loops never visit.
+
+Lengths are clamped on the GPU, so inconsistent cumulative lengths (decreasing, past the end,
+longer than the maximum the grid was sized for) can never make a program read or write outside
+the arrays; the host checks them only on request (TILEGYM_CHECK_VARLEN).
+"""
+
+from dataclasses import dataclass
+
+import cuda.tile as ct
+
+from tilegym.ops.attention.kernels.state import Value
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One sequence's rows [start, end) in a packed array."""
+
+    start: Value
+    end: Value
+
+
+@ct.function
+def sequence_rows(CuSeqlens, seq, packed, max_len):
+    """Rows of sequence seq in packed, from CuSeqlens ([N + 1] int32), clamped so that
+    0 <= start <= end <= total and end - start <= max_len (the grid covers max_len rows)."""
+    total = ct.astype(packed.shape[2], ct.int32)
+    start = min(max(ct.gather(CuSeqlens, seq), 0), total)
+    end = min(max(ct.gather(CuSeqlens, seq + 1), start), min(total, start + max_len))
+    return Rows(start, end)
+
+
+@ct.function
+def past_the_end(tile_start, rows):
+    """Whether a program's tile starts past the end of its sequence's rows: it has nothing to do
+    and returns at once. (A slice of no rows must never be loaded from: its bulk-copy descriptor
+    would be invalid.)"""
+    return tile_start >= rows.end - rows.start
+
+
+@ct.function
+def rows_of(array, rows):
+    """array's rows of one sequence: a view, nothing copied."""
+    return array.slice(2, rows.start, rows.end)

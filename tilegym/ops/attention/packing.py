@@ -1,0 +1,179 @@
+"""Packed variable-length batches on the host: the checks of a call's packed tensors, cumulative
+lengths and longest lengths, and the views that let the dense launch path run them.
+
+A packed tensor is [total, H, D], the rows of every sequence one after another (FlashAttention's
+varlen layout). Its view heads_major(t) = [1, H, total, D] is a dense tensor of one batch entry,
+which the kernels slice per sequence (kernels/packed.py): no copy, any row stride.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tilegym import env
+from tilegym.ops.attention import score_mods
+from tilegym.ops.attention.problem import (
+    _MAX_GRID_YZ,
+    SUPPORTED_DTYPES,
+    AttentionProblem,
+    Packing,
+    _check_all_inputs,
+)
+from tilegym.ops.attention.score_mods import ModTensors
+
+CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
+
+
+@dataclass(frozen=True)
+class CuSeqlens:
+    """The cumulative lengths of a packed batch, int32 [N + 1] each: sequence s has query rows
+    [q[s], q[s + 1]) and key rows [k[s], k[s + 1])."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+
+
+def heads_major(packed: torch.Tensor) -> torch.Tensor:
+    """[total, H, D] as the [1, H, total, D] view the kernels take."""
+    return packed.permute(1, 0, 2).unsqueeze(0)
+
+
+def rows_major(view: torch.Tensor) -> torch.Tensor:
+    """The inverse of heads_major: [1, H, total, D] as [total, H, D]."""
+    return view.squeeze(0).permute(1, 0, 2)
+
+
+def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """A zeroed [total, H, D] tensor in like's dtype and device, as its heads_major view: rows no
+    sequence covers (cu_seqlens ending before total) read as zeros, in outputs and gradients."""
+    return heads_major(torch.zeros((total, heads, head_dim), dtype=like.dtype, device=like.device))
+
+
+def row_stat(problem: AttentionProblem, device, fill: float | None = None) -> torch.Tensor:
+    """A [1, Hq, total_q] row statistic (the LSE, Delta) of a packed problem: fp64 for fp64
+    inputs, else fp32; fill: its value where no sequence writes (None: uninitialized)."""
+    dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+    shape = (1, problem.q_heads, problem.packing.total_q)
+    if fill is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+def check_packed_inputs(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scaling,
+    is_causal,
+    window_size=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    read_contents=True,
+) -> tuple[AttentionProblem, ModTensors, CuSeqlens]:
+    """Validate a packed call before any launch; errors name the argument.
+
+    The problem's batch counts the sequences and its seqlen_q, seqlen_k are the longest lengths
+    (at most the totals): they size the grid, and the kernels clamp every sequence to them.
+    read_contents: whether TILEGYM_CHECK_VARLEN may read the cumulative lengths (not while
+    torch.compile traces, where they have no values).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_packed_tensor(name, t)
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same total and heads, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_cu_seqlens(name, cu, q)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have one length (sequences + 1), got {cu_seqlens_q.numel()} "
+            f"and {cu_seqlens_k.numel()}"
+        )
+    sequences = cu_seqlens_q.numel() - 1
+    if sequences > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {sequences}")
+    total_q, total_k = q.shape[0], k.shape[0]
+    max_q = min(_check_max_seqlen("max_seqlen_q", max_seqlen_q), total_q)
+    max_k = min(_check_max_seqlen("max_seqlen_k", max_seqlen_k), total_k)
+    problem, mod_tensors = _check_all_inputs(
+        heads_major(q), heads_major(k), heads_major(v), scaling, is_causal, None, window_size, softcap, None, False,
+        sinks,
+    )  # fmt: skip
+    slopes = score_mods.check_alibi(alibi_slopes, q, problem.q_heads, batch=sequences)
+    if read_contents and env.flag(CHECK_VARLEN, False):
+        _check_contents("cu_seqlens_q", cu_seqlens_q, total_q, max_q)
+        _check_contents("cu_seqlens_k", cu_seqlens_k, total_k, max_k)
+    problem = dataclasses.replace(
+        problem,
+        batch=sequences,
+        seqlen_q=max_q,
+        seqlen_k=max_k,
+        mods=dataclasses.replace(problem.mods, alibi=slopes is not None),
+        packing=Packing(total_q, total_k),
+    )
+    return problem, dataclasses.replace(mod_tensors, slopes=slopes), CuSeqlens(cu_seqlens_q, cu_seqlens_k)
+
+
+def _check_packed_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must have 3 dimensions [total, heads, head_dim], got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
+
+
+def _check_cu_seqlens(name: str, cu, q: torch.Tensor) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D [sequences + 1], got shape {tuple(cu.shape)}")
+    if cu.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {cu.device}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}")
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    """value as an int: a Python int, or a 0-d integer tensor (which costs a host sync)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        if value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int, got a bool tensor")
+        value = int(value.item())
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (or a 0-d integer tensor), got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_contents(name: str, cu: torch.Tensor, total: int, max_len: int) -> None:
+    """TILEGYM_CHECK_VARLEN: the cumulative lengths start at 0, never decrease, end at most at
+    total, and no length passes max_len. One host sync; without it, the kernels clamp instead."""
+    values = cu.tolist()
+    lengths = [end - start for start, end in zip(values[:-1], values[1:], strict=True)]
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    if any(length < 0 for length in lengths):
+        where = next(s for s, length in enumerate(lengths) if length < 0)
+        raise ValueError(f"{name} must not decrease, got {values[where]} then {values[where + 1]} at sequence {where}")
+    if values[-1] > total:
+        raise ValueError(f"{name} ends at {values[-1]}, past the {total} rows of the packed tensor")
+    longest = max(lengths, default=0)
+    if longest > max_len:
+        raise ValueError(f"{name} has a sequence of {longest} rows, longer than its max_seqlen ({max_len})")
+
+
+def tiles(length: int, block: int) -> int:
+    """Tiles along a packed problem's sequence axis: at least one, so that an empty grid never
+    launches (a program past its sequence's end does nothing)."""
+    return max(math.ceil(length / block), 1)
