@@ -18,6 +18,7 @@ SCRIPTS = [
     "bench_attention_variants.py",
     "bench_training_graphs.py",
     "bench_value_dim.py",
+    "bench_varlen.py",
     "compare_configs.py",
     "first_call.py",
     "profile_training_step.py",

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from tilegym.ops.attention import custom_ops, launch
-from tilegym.ops.attention.autograd import AttentionFunction
-from tilegym.ops.attention.packing import check_packed_inputs, heads_major, rows_major
+from tilegym.ops.attention.autograd import AttentionFunction, PackedAttentionFunction
+from tilegym.ops.attention.packing import check_packed_inputs, heads_major
 from tilegym.ops.attention.problem import check_inputs
 
 __all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional", "tile_fmha_varlen"]
@@ -318,14 +318,13 @@ def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed,
         q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
         is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
     )  # fmt: skip
-    views = heads_major(q), heads_major(k), heads_major(v)
     if differentiable and _needs_grad(q, k, v, mods.sinks):
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
+        views = heads_major(q), heads_major(k), heads_major(v)
         launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
-        out, lse = AttentionFunction.apply(*views, None, mods.sinks, problem, mod_tensors, cu_seqlens)
-    else:
-        out, lse = launch.forward(*views, problem, with_lse=with_lse, mod_tensors=mod_tensors, cu_seqlens=cu_seqlens)
-    return rows_major(out), (lse[0] if with_lse else None)
+        out, lse = PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
+        return out, lse if with_lse else None
+    return launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
 
 
 def _packed_custom_op(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, differentiable: bool):

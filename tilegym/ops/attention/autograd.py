@@ -3,6 +3,7 @@
 import torch
 
 from tilegym.ops.attention import launch
+from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ModTensors
 
@@ -37,7 +38,33 @@ class AttentionFunction(torch.autograd.Function):
         grads = launch.backward(
             d_out, q, k, v, out, lse, ctx.problem, mod_tensors=ctx.mod_tensors,
             bias_grad=ctx.needs_input_grad[3], d_lse=d_lse, sinks_grad=ctx.needs_input_grad[4],
-            cu_seqlens=ctx.cu_seqlens,
         )  # fmt: skip
         d_sinks = None if grads.d_sinks is None else grads.d_sinks.to(ctx.sinks_dtype)
-        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None, None
+        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None
+
+
+class PackedAttentionFunction(torch.autograd.Function):
+    """AttentionFunction of a packed batch: q, k, v [total, H, D], out [total_q, Hq, Dv], lse
+    [Hq, total_q], all new tensors (no views, so callers may change them in place)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, problem: AttentionProblem, mod_tensors: ModTensors, cu_seqlens: CuSeqlens):
+        out, lse = launch.forward_packed(q, k, v, problem, True, mod_tensors, cu_seqlens)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        ctx.mod_tensors = mod_tensors
+        ctx.cu_seqlens = cu_seqlens
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        grads = launch.backward_packed(
+            d_out, q, k, v, out, lse, ctx.problem, ctx.mod_tensors, ctx.cu_seqlens, d_lse, ctx.needs_input_grad[3]
+        )  # fmt: skip
+        d_sinks = None if grads.d_sinks is None else grads.d_sinks.to(ctx.sinks_dtype)
+        return grads.dq, grads.dk, grads.dv, d_sinks, None, None, None

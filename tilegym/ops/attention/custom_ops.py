@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from tilegym.ops.attention import launch
-from tilegym.ops.attention.packing import check_packed_inputs, heads_major, rows_major
+from tilegym.ops.attention.packing import check_packed_inputs
 from tilegym.ops.attention.problem import check_inputs
 
 _NAMESPACE = "tilegym"
@@ -162,9 +162,7 @@ def attention_varlen(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
             window_size, softcap)  # fmt: skip
     problem, mod_tensors, cu_seqlens = _packed_problem(*args)
-    views = heads_major(q), heads_major(k), heads_major(v)
-    out, lse = launch.forward(*views, problem, with_lse=True, mod_tensors=mod_tensors, cu_seqlens=cu_seqlens)
-    return rows_major(out), lse[0]
+    return launch.forward_packed(q, k, v, problem, True, mod_tensors, cu_seqlens)
 
 
 @attention_varlen.register_fake
@@ -202,13 +200,9 @@ def attention_varlen_backward(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
             window_size, softcap)  # fmt: skip
     problem, mod_tensors, cu_seqlens = _packed_problem(*args)
-    grads = launch.backward(
-        heads_major(d_out), heads_major(q), heads_major(k), heads_major(v), heads_major(out), lse[None], problem,
-        mod_tensors=mod_tensors, d_lse=None if d_lse is None else d_lse[None], sinks_grad=sinks_grad,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+    grads = launch.backward_packed(d_out, q, k, v, out, lse, problem, mod_tensors, cu_seqlens, d_lse, sinks_grad)
     d_sinks = _absent(q) if grads.d_sinks is None else grads.d_sinks.to(sinks.dtype)
-    return rows_major(grads.dq), rows_major(grads.dk), rows_major(grads.dv), d_sinks
+    return grads.dq, grads.dk, grads.dv, d_sinks
 
 
 @attention_varlen_backward.register_fake

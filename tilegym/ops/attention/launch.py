@@ -41,7 +41,7 @@ def row_stat(problem: AttentionProblem, device, fill: float | None = None) -> to
     """A [B, Hq, Sq] row statistic (the LSE, Delta), packed [1, Hq, total_q]: fp64 for fp64
     inputs, else fp32; fill: the value of rows no program writes (None: uninitialized)."""
     if problem.packing:
-        return packing.row_stat(problem, device, fill)
+        return packing.row_stat(problem, device, fill)[None]
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
     return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=dtype, device=device)
 
@@ -198,6 +198,31 @@ def forward(
     }
     launcher.launch(launcher.tuned(name, values))
     return out, lse
+
+
+def forward_packed(q, k, v, problem: AttentionProblem, with_lse: bool, mod_tensors, cu_seqlens: CuSeqlens):
+    """(out [total_q, Hq, Dv], lse [Hq, total_q] or None) of a packed batch of [total, H, D]
+    tensors: new tensors (no views), zeros and -inf in rows that no sequence covers."""
+    out = torch.zeros((q.shape[0], q.shape[1], problem.value_dim), dtype=q.dtype, device=q.device)
+    lse = packing.row_stat(problem, q.device, -math.inf) if with_lse else None
+    views = packing.heads_major(q), packing.heads_major(k), packing.heads_major(v)
+    forward(
+        *views, problem, with_lse, packing.heads_major(out), None if lse is None else lse[None], mod_tensors,
+        cu_seqlens,
+    )  # fmt: skip
+    return out, lse
+
+
+def backward_packed(d_out, q, k, v, out, lse, problem: AttentionProblem, mod_tensors, cu_seqlens, d_lse, sinks_grad):
+    """backward() of a packed batch (forward_packed's tensors and their gradients): dq, dk, dv
+    [total, H, D] as new tensors, zeros in rows no sequence covers."""
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    views = [packing.heads_major(t) for t in (d_out, q, k, v, out)]
+    gradients = backward(
+        *views, lse[None], problem, (packing.heads_major(dq), packing.heads_major(dk), packing.heads_major(dv)),
+        mod_tensors, d_lse=None if d_lse is None else d_lse[None], sinks_grad=sinks_grad, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    return dataclasses.replace(gradients, dq=dq, dk=dk, dv=dv)
 
 
 @dataclass(frozen=True)

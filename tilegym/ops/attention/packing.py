@@ -40,11 +40,6 @@ def heads_major(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(1, 0, 2).unsqueeze(0)
 
 
-def rows_major(view: torch.Tensor) -> torch.Tensor:
-    """The inverse of heads_major: [1, H, total, D] as [total, H, D]."""
-    return view.squeeze(0).permute(1, 0, 2)
-
-
 def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
     """A zeroed [total, H, D] tensor in like's dtype and device, as its heads_major view: rows no
     sequence covers (cu_seqlens ending before total) read as zeros, in outputs and gradients."""
@@ -52,10 +47,11 @@ def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor) -> tor
 
 
 def row_stat(problem: AttentionProblem, device, fill: float | None = None) -> torch.Tensor:
-    """A [1, Hq, total_q] row statistic (the LSE, Delta) of a packed problem: fp64 for fp64
-    inputs, else fp32; fill: its value where no sequence writes (None: uninitialized)."""
+    """A [Hq, total_q] row statistic (the LSE, Delta) of a packed problem, which the kernels take
+    as [1, Hq, total_q]: fp64 for fp64 inputs, else fp32; fill: its value where no sequence
+    writes (None: uninitialized)."""
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-    shape = (1, problem.q_heads, problem.packing.total_q)
+    shape = (problem.q_heads, problem.packing.total_q)
     if fill is None:
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.full(shape, fill, dtype=dtype, device=device)

@@ -1,0 +1,773 @@
+"""Packed variable-length attention (tile_fmha_varlen) on the GPU against the float64 reference
+applied to one sequence at a time; every test skips without CUDA.
+
+Each sequence of a packed batch must give exactly what the dense function gives on that
+sequence alone, so varlen_reference runs attention_reference on each sequence's slice and packs
+the results; rows outside every sequence are 0 (LSE -inf, gradients 0). The error yardstick
+(attention_cases.assert_close_to_reference, over the whole packed tensors) is, as in the dense
+tests, PyTorch SDPA on each sequence for plain calls, and the reference run in the inputs' dtype
+where SDPA cannot follow (score modifiers, a gradient through the LSE).
+
+The function allocates its own outputs, so the caching allocator's free memory is filled with
+NaN bytes before each call (poison_cached_memory): an element the kernels never write is then
+NaN and fails the comparison instead of passing on a stale value.
+"""
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tests.ops.attention_cases import EPS, assert_close_to_reference, max_error
+from tests.ops.conftest import requires_cuda
+from tests.ops.test_attention_varlen_cpu import BAD_LENGTH_ARGUMENTS, valid_arguments
+from tilegym import tile_fmha_functional, tile_fmha_varlen
+from tilegym.ops.attention.reference import attention_reference, causal_mask
+
+pytestmark = requires_cuda
+
+DEVICE = "cuda"
+CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def cu_seqlens(lengths) -> torch.Tensor:
+    """int32 cumulative lengths from 0, as flash_attn_varlen_func takes them."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed batch: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] and the
+    four length arguments of tile_fmha_varlen."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def lengths(self) -> tuple:
+        """The arguments between v and scaling."""
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k
+
+    @property
+    def sequences(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+    @property
+    def stat_dtype(self) -> torch.dtype:
+        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
+
+def pack(lengths_q, lengths_k=None, q_heads=3, kv_heads=3, head_dim=64, dtype=torch.bfloat16, *, value_dim=None,
+         spare_q=0, spare_k=0) -> Packed:  # fmt: skip
+    """Random inputs for sequences of the given lengths (lengths_k: as lengths_q when None),
+    with spare_q query rows and spare_k key rows after the last sequence that belong to none.
+    Tests build batches from length lists because the lengths are what each test is about."""
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    assert len(lengths_q) == len(lengths_k)
+    total_q, total_k = sum(lengths_q) + spare_q, sum(lengths_k) + spare_k
+    value_dim = head_dim if value_dim is None else value_dim
+
+    def rows(total, heads, dim):
+        return torch.randn(total, heads, dim, dtype=dtype, device=DEVICE)
+
+    return Packed(
+        rows(total_q, q_heads, head_dim), rows(total_k, kv_heads, head_dim), rows(total_k, kv_heads, value_dim),
+        cu_seqlens(lengths_q), cu_seqlens(lengths_k), max(lengths_q, default=0), max(lengths_k, default=0),
+    )  # fmt: skip
+
+
+def _dense(rows: torch.Tensor) -> torch.Tensor:
+    """[L, H, D] rows of one sequence as the dense path's [1, H, L, D]."""
+    return rows.transpose(0, 1)[None]
+
+
+def _grads(outputs, upstream, inputs) -> tuple:
+    """torch.autograd.grad, with zeros for inputs no output depends on (a batch whose rows are all
+    outside every sequence has none)."""
+    pairs = [(o, u) for o, u in zip(outputs, upstream, strict=True) if o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(t) for t in inputs)
+    found = torch.autograd.grad([o for o, _ in pairs], inputs, [u for _, u in pairs], allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found, strict=True))
+
+
+def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_dtype, d_lse=None):
+    """(out [total_q, Hq, Dv], lse [Hq, total_q], grads) of attention_reference applied to each
+    sequence alone, in compute_dtype; grads are dq, dk, dv, then dsinks when kwargs' sinks
+    require grad. kwargs are tile_fmha_varlen's keyword arguments: an [N, Hq] alibi_slopes
+    gives each sequence its row, sinks are shared by all (their gradient sums over sequences).
+    Rows after the last sequence get out 0 and LSE -inf, hence no gradient.
+
+    The packed contract is "each sequence exactly as the dense call on its slice", so this is
+    the reference by definition, and it is independent of how the kernels clamp and index."""
+    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    ref_kwargs = dict(kwargs)
+    sinks = kwargs.get("sinks")
+    if sinks is not None:
+        ref_kwargs["sinks"] = sinks.detach().to(compute_dtype).requires_grad_(sinks.requires_grad)
+        if sinks.requires_grad:
+            leaves.append(ref_kwargs["sinks"])
+    slopes = kwargs.get("alibi_slopes")
+    q, k, v = leaves[:3]
+    starts_q, starts_k = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for s in range(batch.sequences):
+        rows_q, rows_k = slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1])
+        if slopes is not None and slopes.dim() == 2:
+            ref_kwargs["alibi_slopes"] = slopes[s]
+        out, lse = attention_reference(
+            _dense(q[rows_q]), _dense(k[rows_k]), _dense(v[rows_k]), is_causal=causal, compute_dtype=compute_dtype,
+            **ref_kwargs,
+        )  # fmt: skip
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    spare = q.shape[0] - starts_q[-1]
+    outs.append(q.new_zeros(spare, q.shape[1], v.shape[2]))
+    lses.append(q.new_full((q.shape[1], spare), -math.inf))
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    outputs, upstream = [out], [d_out.to(compute_dtype)]
+    if d_lse is not None:
+        outputs.append(lse)
+        upstream.append(d_lse.to(compute_dtype))
+    return out.detach(), lse.detach(), _grads(outputs, upstream, leaves)
+
+
+def sdpa_baseline(batch: Packed, d_out, causal: bool, scaling=None):
+    """(out, (dq, dk, dv)) of PyTorch SDPA in the inputs' dtype on each sequence: the error
+    yardstick of plain calls, as test_attention._sdpa_baseline. SDPA has no bottom-right causal
+    flag, so the mask is explicit; rows that see no key are given every key and then zeroed,
+    sequences without keys give zeros. A backend that returns non-finite values (seen with
+    negative scales) is replaced by MATH."""
+    out, grads = _sdpa_run(batch, d_out, causal, scaling)
+    if not all(t.isfinite().all() for t in (out, *grads)):
+        with sdpa_kernel(SDPBackend.MATH):
+            out, grads = _sdpa_run(batch, d_out, causal, scaling)
+    return out, grads
+
+
+def _sdpa_run(batch: Packed, d_out, causal: bool, scaling):
+    q, k, v = leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    group = q.shape[1] // k.shape[1]
+    starts_q, starts_k = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist()
+    outs = []
+    for s in range(batch.sequences):
+        rows_q, rows_k = slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1])
+        seqlen_q, seqlen_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+        if seqlen_k == 0:
+            outs.append(q.new_zeros(seqlen_q, q.shape[1], v.shape[2]))
+            continue
+        keys, values = (_dense(t[rows_k]).repeat_interleave(group, 1) for t in (k, v))
+        mask = causal_mask(seqlen_q, seqlen_k, q.device) if causal else None
+        sees_any = torch.ones(seqlen_q, 1, dtype=torch.bool, device=q.device)
+        if mask is not None:
+            sees_any = mask.any(-1, keepdim=True)
+            mask = mask | ~sees_any
+        out = F.scaled_dot_product_attention(_dense(q[rows_q]), keys, values, attn_mask=mask, scale=scaling)
+        outs.append((out * sees_any)[0].transpose(0, 1))
+    spare = q.shape[0] - starts_q[-1]
+    outs.append(q.new_zeros(spare, q.shape[1], v.shape[2]))
+    out = torch.cat(outs)
+    return out.detach(), _grads([out], [d_out], leaves)
+
+
+def yardstick(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None):
+    """(out, grads) whose errors against float64 bound ours: SDPA for plain calls, else the
+    reference in the inputs' dtype."""
+    if set(kwargs) <= {"scaling"} and d_lse is None:
+        return sdpa_baseline(batch, d_out, causal, kwargs.get("scaling"))
+    out, _, grads = varlen_reference(batch, d_out, causal, kwargs, batch.q.dtype, d_lse)
+    return out, grads
+
+
+def poison_cached_memory():
+    """Fill the caching allocator's free memory with 0xFF bytes (NaN in every float dtype).
+
+    The function under test allocates its outputs and gradients itself, so they cannot be
+    pre-filled; emptying the cache and handing it back blocks of NaN makes the next allocations,
+    large (split from the big block) and small (from the 2 MiB segments of 1 MiB blocks), start
+    as NaN, and an element no kernel writes fails instead of passing on a stale value."""
+    torch.cuda.empty_cache()
+    small = [torch.full((1 << 20,), 255, dtype=torch.uint8, device=DEVICE) for _ in range(32)]
+    large = torch.full((256 << 20,), 255, dtype=torch.uint8, device=DEVICE)
+    del small, large
+
+
+def run_varlen(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None):
+    """(out, lse, grads) of tile_fmha_varlen as varlen_reference's, each allocated from poisoned
+    memory. With d_lse, one call with return_lse=True and gradients through both outputs;
+    without, the common call (return_lse=False) for out and gradients, and the LSE from a
+    second call without autograd."""
+    leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    sinks = kwargs.get("sinks")
+    inputs = leaves + ([sinks] if sinks is not None and sinks.requires_grad else [])
+    poison_cached_memory()
+    if d_lse is None:
+        out = tile_fmha_varlen(*leaves, *batch.lengths, is_causal=causal, **kwargs)
+        assert isinstance(out, torch.Tensor), "return_lse=False returns the output alone"
+        poison_cached_memory()
+        grads = torch.autograd.grad(out, inputs, d_out)
+        poison_cached_memory()
+        with torch.no_grad():
+            _, lse = tile_fmha_varlen(*leaves, *batch.lengths, is_causal=causal, return_lse=True, **kwargs)
+    else:
+        out, lse = tile_fmha_varlen(*leaves, *batch.lengths, is_causal=causal, return_lse=True, **kwargs)
+        poison_cached_memory()
+        grads = torch.autograd.grad((out, lse), inputs, (d_out, d_lse))
+    return out.detach(), lse.detach(), grads
+
+
+def assert_lse_close(lse, ref_lse, dtype):
+    """-inf exactly where the reference's is, never NaN, and close elsewhere (absolute, as the
+    dense tests)."""
+    assert not lse.isnan().any(), "lse has NaN"
+    sees_none = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), sees_none), "lse must be -inf exactly where the reference's is"
+    assert bool((lse[sees_none] == -math.inf).all())
+    seen = ~sees_none
+    if seen.any():
+        tolerance = (1e-5 if dtype != torch.float64 else 1e-12) * (1 + ref_lse[seen].abs().max().item())
+        assert max_error(lse[seen], ref_lse[seen]) <= tolerance
+
+
+def assert_rows_outside_sequences_are_empty(batch: Packed, out, lse, grads):
+    """Query rows after cu_seqlens_q[-1]: out 0, LSE -inf, dq 0; key rows after cu_seqlens_k[-1]:
+    dk = dv = 0. Exactly, not within a tolerance."""
+    end_q, end_k = int(batch.cu_seqlens_q[-1]), int(batch.cu_seqlens_k[-1])
+    dq, dk, dv = grads[:3]
+    assert torch.equal(out[end_q:], torch.zeros_like(out[end_q:])), "out of rows outside every sequence"
+    assert bool((lse[:, end_q:] == -math.inf).all()), "lse of rows outside every sequence"
+    assert torch.equal(dq[end_q:], torch.zeros_like(dq[end_q:])), "dq of rows outside every sequence"
+    for name, grad in (("dk", dk), ("dv", dv)):
+        assert torch.equal(grad[end_k:], torch.zeros_like(grad[end_k:])), f"{name} of rows outside every sequence"
+
+
+def check(batch: Packed, causal: bool, kwargs: dict | None = None, lse_grad: bool = False):
+    """tile_fmha_varlen's output, LSE and every gradient (dq, dk, dv, and dsinks when sinks
+    require grad) against the per-sequence float64 reference, within the yardstick's error;
+    d_lse flows into the LSE when lse_grad."""
+    kwargs = dict(kwargs or {})
+    dtype = batch.q.dtype
+    total_q, q_heads = batch.q.shape[:2]
+    d_out = torch.randn(total_q, q_heads, batch.v.shape[2], dtype=dtype, device=DEVICE)
+    d_lse = torch.randn(q_heads, total_q, dtype=batch.stat_dtype, device=DEVICE) if lse_grad else None
+    ref_out, ref_lse, ref_grads = varlen_reference(batch, d_out, causal, kwargs, torch.float64, d_lse)
+    base_out, base_grads = yardstick(batch, d_out, causal, kwargs, d_lse)
+    out, lse, grads = run_varlen(batch, d_out, causal, kwargs, d_lse)
+
+    assert (out.shape, out.dtype) == ((total_q, q_heads, batch.v.shape[2]), dtype)
+    assert (lse.shape, lse.dtype) == ((q_heads, total_q), batch.stat_dtype)
+    assert_close_to_reference("out", out, base_out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    if kwargs.get("sinks") is None:
+        sees_none = torch.isinf(ref_lse)  # [Hq, total_q]
+        no_key_rows = out.transpose(0, 1)[sees_none]
+        assert torch.equal(no_key_rows, torch.zeros_like(no_key_rows)), "rows that see no key output zeros"
+    if len(grads) == 4:
+        assert grads[3].dtype == kwargs["sinks"].dtype, "dsinks comes back in the sinks' dtype"
+        # Rounded to that dtype (float32 sinks of float64 inputs), as the yardstick is too.
+        base_grads = (*base_grads[:3], base_grads[3].to(grads[3].dtype))
+    names = ("dq", "dk", "dv", "dsinks")[: len(grads)]
+    for name, ours, base, ref in zip(names, grads, base_grads, ref_grads, strict=True):
+        assert ours.shape == ref.shape, name
+        assert_close_to_reference(name, ours, base, ref, dtype)
+    assert_rows_outside_sequences_are_empty(batch, out, lse, grads)
+
+
+def _sinks(q_heads, dtype=torch.float32):
+    # Around the scores' own range, so that the sink takes a real share of each row.
+    return (torch.randn(q_heads, device=DEVICE, dtype=dtype) * 2).requires_grad_()
+
+
+def _slopes(*shape):
+    return torch.rand(*shape, device=DEVICE) * 0.1 + 0.01
+
+
+# ---- lengths -----------------------------------------------------------------------------------
+
+# name: (query lengths, key lengths or None for the same).
+LENGTHS = {
+    "zero-first": ([0, 37, 64], None),
+    "zero-middle": ([50, 0, 77], None),
+    "zero-last": ([33, 91, 0], None),
+    "ones": ([1, 1, 1, 1, 1], None),
+    "odd-and-primes": ([7, 131, 251, 3, 97, 1], None),
+    "around-tiles": ([63, 64, 65, 127, 128, 129, 257], None),
+    "one-long-among-short": ([17] * 10 + [3000] + [17] * 10, None),
+    "single": ([300], None),
+    # Lq != Lk in each sequence; causal: the first Lq - Lk queries of 100/30 and 64/0 see no key.
+    "sq-ne-sk": ([40, 100, 7, 0, 64, 13, 1], [90, 30, 7, 12, 0, 200, 50]),
+    "sq-gt-sk": ([70, 33, 129, 5], [3, 1, 64, 5]),
+    "sq-lt-sk": ([1, 20, 3, 64], [300, 57, 129, 65]),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(LENGTHS))
+def test_op_varlen_lengths(name, dtype, causal):
+    lengths_q, lengths_k = LENGTHS[name]
+    check(pack(lengths_q, lengths_k, dtype=dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["zero-middle", "sq-ne-sk", "one-long-among-short"])
+def test_op_varlen_rows_outside_every_sequence(name, causal):
+    """cu_seqlens_q[-1] < total_q and cu_seqlens_k[-1] < total_k: the spare rows are left out
+    (out 0, LSE -inf, gradients 0) and change nothing for the sequences."""
+    lengths_q, lengths_k = LENGTHS[name]
+    check(pack(lengths_q, lengths_k, 4, 2, spare_q=37, spare_k=130), causal, lse_grad=True)
+
+
+@pytest.mark.parametrize(
+    ("cu", "totals"),
+    [([0], (0, 0)), ([0], (5, 3)), ([0, 0, 0], (5, 3)), ([0, 0, 0], (0, 0))],
+    ids=["no-sequence-no-rows", "no-sequence", "empty-sequences", "empty-sequences-no-rows"],
+)
+def test_op_varlen_without_any_visible_row(cu, totals):
+    """No sequence, or only empty ones: out 0, LSE -inf and zero gradients, for any total."""
+    total_q, total_k = totals
+    q = torch.randn(total_q, 4, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(total_k, 2, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    poison_cached_memory()
+    out, lse = tile_fmha_varlen(q, k, v, cu_q, cu_k, 0, 0, return_lse=True)
+    assert out.shape == (total_q, 4, 64) and lse.shape == (4, total_q)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+    poison_cached_memory()
+    grads = torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+    assert all(torch.equal(g, torch.zeros_like(t)) for g, t in zip(grads, (q, k, v), strict=True))
+
+
+def test_op_varlen_max_seqlen_is_an_upper_bound():
+    """max_seqlen_q/k larger than every sequence (as a CUDA graph with fixed sizes gives them)."""
+    batch = pack(*LENGTHS["sq-ne-sk"], 4, 2)
+    check(dataclasses.replace(batch, max_seqlen_q=1000, max_seqlen_k=5000), True, lse_grad=True)
+
+
+def test_op_varlen_max_seqlen_as_0d_tensors():
+    """0-d integer tensors (GPU int32 and CPU int64) for max_seqlen_q/k give the ints' results."""
+    batch = pack([30, 0, 77], [40, 9, 77], 4, 2)
+    expected = tile_fmha_varlen(batch.q, batch.k, batch.v, *batch.lengths, return_lse=True)
+    for make in (lambda n: torch.tensor(n, dtype=torch.int32, device=DEVICE), lambda n: torch.tensor(n)):
+        lengths = (*batch.lengths[:2], make(batch.max_seqlen_q), make(batch.max_seqlen_k))
+        got = tile_fmha_varlen(batch.q, batch.k, batch.v, *lengths, return_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+# ---- head dims, dtypes, heads ------------------------------------------------------------------
+
+MIXED_Q, MIXED_K = [0, 45, 1, 130, 77], [20, 45, 1, 100, 150]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 192, 256])
+def test_op_varlen_head_dims(head_dim, causal):
+    check(pack(MIXED_Q, MIXED_K, 4, 2, head_dim), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_op_varlen_dtypes(dtype, causal):
+    """Every dtype, with the LSE's gradient (fp64: the LSE is fp64 too)."""
+    check(pack([3, 0, 45, 61, 1], [7, 5, 45, 30, 0], 4, 2, 64, dtype), causal, lse_grad=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim"), [(8, 2, 64), (4, 1, 128), (6, 1, 64)], ids=["gqa-4to1", "mqa-d128", "mqa"]
+)
+def test_op_varlen_grouped_heads(q_heads, kv_heads, head_dim, causal):
+    check(pack(MIXED_Q, MIXED_K, q_heads, kv_heads, head_dim), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pair", [(192, 128), (64, 128), (128, 64)], ids=lambda p: f"qk{p[0]}-v{p[1]}")
+def test_op_varlen_value_dim(pair, causal):
+    """V's head dim different from Q's and K's (DeepSeek MLA: 192 and 128)."""
+    check(pack(MIXED_Q, MIXED_K, 4, 2, pair[0], value_dim=pair[1]), causal)
+
+
+# ---- score modifiers and the LSE ---------------------------------------------------------------
+
+# name: (causal, keyword arguments given the number of query heads and of sequences).
+MODIFIERS = {
+    "scaling": (False, lambda h, n: {"scaling": 0.3}),
+    "negative-scaling": (True, lambda h, n: {"scaling": -0.2}),
+    "window-causal": (True, lambda h, n: {"window_size": (32, 0)}),
+    "window-both-sides": (False, lambda h, n: {"window_size": (20, 9)}),
+    "softcap": (True, lambda h, n: {"softcap": 5.0}),
+    "alibi-per-head": (True, lambda h, n: {"alibi_slopes": _slopes(h)}),
+    "alibi-per-sequence": (False, lambda h, n: {"alibi_slopes": _slopes(n, h)}),
+    "sinks": (True, lambda h, n: {"sinks": _sinks(h)}),
+    "sinks-full": (False, lambda h, n: {"sinks": _sinks(h)}),
+    "sinks-bf16": (True, lambda h, n: {"sinks": _sinks(h, torch.bfloat16)}),
+    "everything": (False, lambda h, n: {"window_size": (40, 9), "softcap": 4.0, "alibi_slopes": _slopes(n, h),
+                                        "sinks": _sinks(h)}),
+    "everything-causal": (True, lambda h, n: {"window_size": (24, 0), "softcap": 30.0, "alibi_slopes": _slopes(h),
+                                              "sinks": _sinks(h)}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lse_grad", [False, True], ids=["out-grad", "out-and-lse-grad"])
+@pytest.mark.parametrize("name", list(MODIFIERS))
+def test_op_varlen_modifiers(name, lse_grad):
+    """Each modifier per sequence, over sequences with Lq != Lk (and, causal, rows that see no
+    key): window sides and ALiBi distances measured from each sequence's own bottom-right."""
+    causal, build = MODIFIERS[name]
+    batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2)
+    check(batch, causal, build(4, batch.sequences), lse_grad)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_op_varlen_sinks_head_dims(head_dim):
+    batch = pack(MIXED_Q, MIXED_K, 4, 2, head_dim)
+    check(batch, True, {"sinks": _sinks(4), "window_size": (64, 0)}, lse_grad=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+def test_op_varlen_sinks_dtypes(dtype):
+    check(pack([3, 0, 45, 61], [7, 5, 45, 30], 4, 2, 64, dtype), True, {"sinks": _sinks(4)}, lse_grad=True)
+
+
+def test_op_varlen_lse_alone_carries_the_gradient():
+    """A loss of the LSE alone: the LSE's gradient reaches q and k, and v's gradient is zero."""
+    batch = pack([7, 0, 12, 5], [9, 4, 12, 0], 2, 2, 32, torch.float64)
+    q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
+    _, lse = tile_fmha_varlen(q, k, v, *batch.lengths, return_lse=True)
+    d_lse = torch.randn_like(lse)
+    lse.backward(d_lse)
+    d_out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=DEVICE)
+    _, _, (ref_dq, ref_dk, _) = varlen_reference(batch, d_out, True, {}, torch.float64, d_lse)
+    assert v.grad is None or torch.equal(v.grad, torch.zeros_like(v))
+    assert max_error(q.grad, ref_dq) < 1e-10 and max_error(k.grad, ref_dk) < 1e-10
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["out", "out-lse-and-sinks"])
+def test_op_varlen_gradcheck_fp64(with_sinks):
+    """Finite differences on a tiny batch with an empty sequence and rows that see no key; with
+    sinks, the LSE too (finite everywhere: a row without keys has the sink's LSE)."""
+    batch = pack([3, 0, 5, 2], [4, 2, 5, 0], 2, 1, 32, torch.float64)
+    inputs = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    if with_sinks:
+        inputs.append(_sinks(2, torch.float64))
+
+    def attention(q, k, v, sinks=None):
+        return tile_fmha_varlen(q, k, v, *batch.lengths, window_size=(3, 0), sinks=sinks, return_lse=with_sinks)
+
+    assert torch.autograd.gradcheck(attention, tuple(inputs))
+
+
+# ---- layouts and entry points ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_op_varlen_packed_qkv_view(causal):
+    """q, k, v as strided views of one [total, 3, H, D] tensor (qkv.unbind(1), no copy):
+    gradients flow into qkv.grad, each third where it belongs."""
+    lengths = [45, 0, 130, 1, 77]
+    qkv = torch.randn(sum(lengths), 3, 4, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    q, k, v = qkv.unbind(1)
+    batch = Packed(q, k, v, cu_seqlens(lengths), cu_seqlens(lengths), max(lengths), max(lengths))
+    d_out = torch.randn_like(q)
+    ref_out, _, ref_grads = varlen_reference(batch, d_out, causal, {}, torch.float64)
+    base_out, base_grads = yardstick(batch, d_out, causal, {})
+    poison_cached_memory()
+    out = tile_fmha_varlen(q, k, v, *batch.lengths, is_causal=causal)
+    poison_cached_memory()
+    out.backward(d_out)
+    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    stacked = (torch.stack(grads, dim=1) for grads in (base_grads, ref_grads))
+    assert_close_to_reference("qkv.grad", qkv.grad, *stacked, torch.bfloat16)
+
+
+def test_op_varlen_functional():
+    """tile_fmha_functional with cu_seqlens_q: the packed layout. training=True is
+    tile_fmha_varlen; training=False (and None without a gradient wanted) the same values
+    without autograd."""
+    batch = pack(MIXED_Q, MIXED_K, 4, 2)
+    q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
+    packed = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), batch.lengths, strict=True))
+    sinks = _sinks(4)
+    kwargs = {"window_size": (50, 0), "sinks": sinks, **packed}
+    d_out = torch.randn(q.shape[0], 4, v.shape[2], dtype=q.dtype, device=DEVICE)
+    ref_out, ref_lse, _ = varlen_reference(batch, d_out, True, {"window_size": (50, 0), "sinks": sinks}, torch.float64)
+    base_out, _ = yardstick(batch, d_out, True, {"window_size": (50, 0), "sinks": sinks})
+
+    varlen_out, varlen_lse = tile_fmha_varlen(q, k, v, *batch.lengths, window_size=(50, 0), sinks=sinks,
+                                              return_lse=True)  # fmt: skip
+    out, lse = tile_fmha_functional(q, k, v, None, True, True, return_lse=True, **kwargs)
+    assert out.grad_fn is not None and lse.grad_fn is not None
+    assert torch.equal(out, varlen_out) and torch.equal(lse, varlen_lse)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    varlen_grads = torch.autograd.grad(varlen_out, (q, k, v, sinks), d_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, varlen_grads, strict=True))
+
+    out = tile_fmha_functional(q, k, v, None, True, None, **kwargs)
+    assert out.grad_fn is not None, "training=None with a gradient wanted trains"
+    out, lse = tile_fmha_functional(q, k, v, None, True, False, return_lse=True, **kwargs)
+    assert out.grad_fn is None and lse.grad_fn is None
+    with torch.no_grad():
+        assert tile_fmha_functional(q, k, v, None, True, None, **kwargs).grad_fn is None
+    assert_close_to_reference("out (inference)", out, base_out, ref_out, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, torch.bfloat16)
+
+
+# ---- torch.compile and CUDA graphs -------------------------------------------------------------
+
+GRAPH_Q, GRAPH_K = [30, 0, 77, 5, 130], [40, 9, 77, 0, 130]
+
+
+def _assert_like_eager(name, got, eager, reference, dtype):
+    """As the dense graph tests: the eager call's values, and an error against float64 at most a
+    tenth above the eager call's."""
+    assert not got.isnan().any(), f"{name} has NaN"
+    torch.testing.assert_close(got, eager, msg=lambda m: f"{name} differs from the eager call: {m}")
+    bound = 1.1 * max_error(eager, reference) + EPS[dtype]
+    assert max_error(got, reference) <= bound, f"{name}: error against float64 above the eager call's"
+
+
+@pytest.mark.parametrize("mods", ["plain", "window-alibi-sinks"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_op_varlen_under_torch_compile(causal, mods):
+    """torch.compile(fullgraph=True) of a function calling tile_fmha_varlen: no graph break, and
+    the forward's and backward's results are the eager call's."""
+    torch._dynamo.reset()
+    batch = pack(GRAPH_Q, GRAPH_K, 4, 2)
+    kwargs = {} if mods == "plain" else {"window_size": (24, 0) if causal else (24, 7), "alibi_slopes": _slopes(4)}
+    sinks = None if mods == "plain" else _sinks(4)
+
+    def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks):
+        return tile_fmha_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, is_causal=causal,
+            sinks=sinks, return_lse=True, **kwargs,
+        )  # fmt: skip
+
+    d_out, d_lse = torch.randn_like(batch.q), torch.randn(4, batch.q.shape[0], device=DEVICE)
+
+    def step(fn):
+        leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+        inputs = leaves + ([sinks] if sinks is not None else [])
+        out, lse = fn(*leaves, batch.cu_seqlens_q, batch.cu_seqlens_k, sinks)
+        return (out.detach(), lse.detach(), *torch.autograd.grad((out, lse), inputs, (d_out, d_lse)))
+
+    compiled = step(torch.compile(attention, fullgraph=True))
+    eager = step(attention)
+    ref_out, ref_lse, ref_grads = varlen_reference(batch, d_out, causal, {**kwargs, "sinks": sinks}, torch.float64,
+                                                   d_lse)  # fmt: skip
+    names = ("out", "lse", "dq", "dk", "dv", "dsinks")[: len(compiled)]
+    for name, got, want, ref in zip(names, compiled, eager, (ref_out, ref_lse, *ref_grads), strict=True):
+        if name == "lse":
+            torch.testing.assert_close(got, want)
+            assert_lse_close(got, ref, torch.bfloat16)
+        else:
+            _assert_like_eager(name, got, want, ref, torch.bfloat16)
+
+
+def _capture_training_step(batch: Packed, causal: bool):
+    """A training step (forward with the LSE, backward through both) captured in a CUDA graph,
+    after two warm-up steps on a side stream (compiles and tunes outside the capture). Returns
+    the graph, its static inputs (q, k, v, d_out, d_lse as leaves) and its outputs (out, lse)."""
+    q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
+    d_out = torch.randn_like(q)
+    d_lse = torch.randn(q.shape[1], q.shape[0], device=DEVICE)
+
+    def step():
+        out, lse = tile_fmha_varlen(q, k, v, *batch.lengths, is_causal=causal, return_lse=True)
+        torch.autograd.backward((out, lse), (d_out, d_lse))
+        return out, lse
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (q, k, v):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    return graph, (q, k, v, d_out, d_lse), (out, lse)
+
+
+def _replay_and_check(graph, batch: Packed, static_inputs, outputs, causal):
+    """Poison the graph's outputs and gradients, replay, and check them against the reference
+    of the batch's current contents."""
+    q, k, v, d_out, d_lse = static_inputs
+    out, lse = outputs
+    with torch.no_grad():
+        for t in (out, lse, q.grad, k.grad, v.grad):
+            t.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    current = dataclasses.replace(batch, q=q, k=k, v=v)
+    ref_out, ref_lse, ref_grads = varlen_reference(current, d_out, causal, {}, torch.float64, d_lse)
+    base_out, base_grads = yardstick(current, d_out, causal, {}, d_lse)
+    grads = (q.grad, k.grad, v.grad)
+    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, torch.bfloat16)
+    for name, ours, base, ref in zip(("dq", "dk", "dv"), grads, base_grads, ref_grads, strict=True):
+        assert_close_to_reference(name, ours, base, ref, torch.bfloat16)
+    assert_rows_outside_sequences_are_empty(current, out, lse, grads)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_op_varlen_training_step_in_a_cuda_graph(causal, monkeypatch):
+    """Captured with max_seqlen as ints (no host sync), replayed on new input values and new
+    output gradients: the reference's results on the new values."""
+    monkeypatch.delenv(CHECK_VARLEN, raising=False)
+    batch = pack(GRAPH_Q, GRAPH_K, 4, 2, spare_q=11, spare_k=6)
+    graph, static_inputs, outputs = _capture_training_step(batch, causal)
+    with torch.no_grad():
+        for t in static_inputs:
+            t.copy_(torch.randn_like(t))
+    _replay_and_check(graph, batch, static_inputs, outputs, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_op_varlen_cuda_graph_replays_new_lengths(causal, monkeypatch):
+    """The cumulative lengths are read on the GPU: new contents of the captured cu_seqlens
+    tensors (same number of sequences, each within max_seqlen) are honoured on replay."""
+    monkeypatch.delenv(CHECK_VARLEN, raising=False)
+    batch = pack(GRAPH_Q, GRAPH_K, 4, 2)
+    graph, static_inputs, outputs = _capture_training_step(batch, causal)
+    new_q, new_k = [130, 60, 0, 40, 12], [0, 100, 130, 26, 0]
+    assert sum(new_q) == sum(GRAPH_Q) and max(new_q) <= batch.max_seqlen_q
+    assert sum(new_k) == sum(GRAPH_K) and max(new_k) <= batch.max_seqlen_k
+    batch.cu_seqlens_q.copy_(cu_seqlens(new_q))
+    batch.cu_seqlens_k.copy_(cu_seqlens(new_k))
+    _replay_and_check(graph, batch, static_inputs, outputs, causal)
+
+
+# ---- determinism -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_op_varlen_backward_is_deterministic(causal):
+    """Two backward runs give bitwise-equal dq, dk, dv and dsinks (GQA 4:1, so each K/V head
+    sums the gradients of four query heads)."""
+    batch = pack([17] * 6 + [700, 0, 301], [17] * 6 + [650, 40, 301], 8, 2, 128)
+    q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
+    sinks = _sinks(8)
+    d_out = torch.randn_like(q)
+    first, second = (
+        torch.autograd.grad(
+            tile_fmha_varlen(q, k, v, *batch.lengths, is_causal=causal, sinks=sinks), (q, k, v, sinks), d_out
+        )
+        for _ in range(2)
+    )
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), first, second, strict=True):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+# ---- bad arguments and bad contents ------------------------------------------------------------
+
+
+def _usable_afterwards():
+    """A normal call after a rejected or inconsistent one: the CUDA context still works and the
+    results are right."""
+    check(pack([30, 0, 77], [40, 9, 77], 4, 2), True, lse_grad=True)
+
+
+@pytest.mark.parametrize(("change", "error", "match"), BAD_LENGTH_ARGUMENTS)
+def test_op_varlen_rejects_bad_lengths_arguments(change, error, match):
+    """test_attention_varlen_cpu.py's checks on real GPU tensors."""
+    arguments = valid_arguments(DEVICE)
+    arguments.update(change(DEVICE))
+    with pytest.raises(error, match=match):
+        tile_fmha_varlen(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda: {"max_seqlen_q": torch.tensor(-1)}, ValueError, "max_seqlen_q"),
+        (lambda: {"max_seqlen_k": torch.tensor(-3, dtype=torch.int32, device=DEVICE)}, ValueError, "max_seqlen_k"),
+        (lambda: {"q": torch.randn(12, 4, 64, dtype=torch.bfloat16)}, ValueError, r"\bq\b"),
+        (lambda: {"k": torch.randn(15, 2, 64, dtype=torch.bfloat16)}, ValueError, r"\bk\b"),
+    ],
+    ids=["max-q-negative-tensor", "max-k-negative-tensor", "q-on-cpu", "k-on-cpu"],
+)
+def test_op_varlen_rejects_bad_values_on_the_gpu(change, error, match):
+    """Negative 0-d tensor lengths (read on the host) and attention tensors off the GPU."""
+    arguments = valid_arguments(DEVICE)
+    arguments.update(change())
+    with pytest.raises(error, match=match):
+        tile_fmha_varlen(**arguments)
+    _usable_afterwards()
+
+
+# Cumulative lengths for 3 sequences over 200 rows with max_seqlen 100, each inconsistent.
+BAD_CU = {
+    "decreasing": [0, 80, 40, 140],
+    "past-the-end": [0, 50, 150, 250],
+    "longer-than-max": [0, 190, 200, 200],
+    "first-not-zero": [30, 80, 100, 160],
+    "negative": [-50, 20, 100, 100],
+    "near-int32-max": [0, 100, 2**31 - 1, 2**31 - 1],
+}
+
+
+def _bad_batch(which: str, contents) -> Packed:
+    batch = pack([60, 70, 70], None, 4, 2)
+    bad = torch.tensor(contents, dtype=torch.int32, device=DEVICE)
+    return dataclasses.replace(batch, max_seqlen_q=100, max_seqlen_k=100, **{f"cu_seqlens_{which}": bad})
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("which", ["q", "k"])
+@pytest.mark.parametrize("name", list(BAD_CU))
+def test_op_varlen_inconsistent_cu_seqlens_are_clamped(name, which, causal, monkeypatch):
+    """Without TILEGYM_CHECK_VARLEN nothing reads the contents on the host: the kernels clamp
+    them, so the call neither faults nor leaves anything unwritten (finite outputs and
+    gradients of the right shapes), and the next call is right."""
+    monkeypatch.delenv(CHECK_VARLEN, raising=False)
+    batch = _bad_batch(which, BAD_CU[name])
+    q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
+    poison_cached_memory()
+    out, lse = tile_fmha_varlen(q, k, v, *batch.lengths, is_causal=causal, return_lse=True)
+    poison_cached_memory()
+    grads = torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    assert torch.isfinite(out).all(), "out has non-finite values"
+    assert not lse.isnan().any() and not (lse == math.inf).any(), "lse has NaN or +inf"
+    for grad_name, grad, t in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
+        assert grad.shape == t.shape and torch.isfinite(grad).all(), f"{grad_name} has non-finite values"
+    _usable_afterwards()
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+@pytest.mark.parametrize("name", list(BAD_CU))
+def test_op_varlen_check_varlen_rejects_inconsistent_cu_seqlens(name, which, monkeypatch):
+    """TILEGYM_CHECK_VARLEN=1: the host reads the cumulative lengths and raises, naming the
+    argument, before any launch."""
+    monkeypatch.setenv(CHECK_VARLEN, "1")
+    batch = _bad_batch(which, BAD_CU[name])
+    with pytest.raises(ValueError, match=f"cu_seqlens_{which}|max_seqlen_{which}"):
+        tile_fmha_varlen(batch.q, batch.k, batch.v, *batch.lengths)
+    _usable_afterwards()  # consistent lengths pass the check
+
+
+def test_op_varlen_check_varlen_accepts_consistent_cu_seqlens(monkeypatch):
+    """TILEGYM_CHECK_VARLEN=1 with consistent lengths (empty sequences, spare rows, a max_seqlen
+    above every length): the same results as without the check."""
+    batch = dataclasses.replace(pack(MIXED_Q, MIXED_K, 4, 2, spare_q=5, spare_k=3), max_seqlen_q=200)
+    monkeypatch.setenv(CHECK_VARLEN, "1")
+    checked = tile_fmha_varlen(batch.q, batch.k, batch.v, *batch.lengths, return_lse=True)
+    monkeypatch.delenv(CHECK_VARLEN)
+    unchecked = tile_fmha_varlen(batch.q, batch.k, batch.v, *batch.lengths, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(checked, unchecked, strict=True))
