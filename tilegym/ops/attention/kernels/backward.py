@@ -274,8 +274,10 @@ def attention_backward_dkdv_kernel(
     switches = Switches(windowed, capped, bias_mode, alibi)
     tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
 
-    k = load_head(K, b, kv_head, kv_tile, block_n, tiling)  # [block_n, D]
-    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv)  # [block_n, block_dv]
+    # A packed batch's program loads its key tile and stores dK, dV once: no bulk copies
+    # (tiles.load_tile).
+    k = load_head(K, b, kv_head, kv_tile, block_n, tiling, not varlen)  # [block_n, D]
+    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv, not varlen)  # [block_n, block_dv]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
     d_key = head_zeros(block_n, tiling, acc_dtype)
     d_value = ct.zeros((block_n, block_dv), acc_dtype)
@@ -307,8 +309,8 @@ def attention_backward_dkdv_kernel(
         add_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
         add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
     else:
-        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
-        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
+        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling, not varlen)
+        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv, not varlen)
 
 
 @ct.function
@@ -413,9 +415,10 @@ def attention_backward_dq_kernel(
         qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
     )
 
-    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling)
-    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv)
-    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv)
+    # A packed batch's program loads these and stores dQ once: no bulk copies (tiles.load_tile).
+    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, not varlen)
+    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv, not varlen)
+    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv, not varlen)
     stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile)
@@ -424,4 +427,5 @@ def attention_backward_dq_kernel(
 
     tile = DqTile(q, d_out, stats.lse_base2[:, None], stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
     d_query = over_segments(_dq_loop, key_segments(q_tile, scoring), d_query, tile)
-    store_head(dQ, b, q_head, q_tile, head_scaled(d_query, softmax_scale, scoring.tiling), block_m, scoring.tiling)
+    d_query = head_scaled(d_query, softmax_scale, scoring.tiling)
+    store_head(dQ, b, q_head, q_tile, d_query, block_m, scoring.tiling, not varlen)

@@ -242,7 +242,8 @@ def attention_forward_kernel(
         qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
     )
 
-    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling)
+    # A packed batch's program loads its query tile and stores its output once: no bulk copies.
+    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, not varlen)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     state = ForwardState(
         ct.full((block_m, 1), NEG_INF, acc_dtype),
@@ -260,7 +261,7 @@ def attention_forward_kernel(
     # cost the epilogue a share of a short sequence's time.
     row_sum = state.row_sum
     out = state.acc * (1.0 / ct.where(row_sum == 0.0, 1.0, row_sum))
-    store_rows(Out, b, q_head, q_tile, out, block_m, block_dv)
+    store_rows(Out, b, q_head, q_tile, out, block_m, block_dv, not varlen)
     if write_lse:
         row_max = state.row_max
         if keeps_raw_scores(switches) and not with_sinks:

@@ -9,7 +9,15 @@ code it stands for.
 import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import HeadParts
-from tilegym.ops.attention.kernels.tiles import ZERO_PAD, ConstInt, add_rows, load_rows, store_rows
+from tilegym.ops.attention.kernels.tiles import (
+    ConstBool,
+    ConstInt,
+    add_rows,
+    load_rows,
+    load_tile,
+    store_rows,
+    store_tile,
+)
 
 
 @ct.function
@@ -19,21 +27,19 @@ def _tail_index(tiling):
 
 
 @ct.function
-def load_head(array, b, h, tile_index, rows: ConstInt, tiling):
+def load_head(array, b, h, tile_index, rows: ConstInt, tiling, bulk: ConstBool = True):
+    """bulk: as tiles.load_tile."""
     tail = 0
     if tiling.block_d_tail > 0:
-        index = (b, h, tile_index, _tail_index(tiling))
-        shape = (1, 1, rows, tiling.block_d_tail)
-        tail = ct.load(array, index=index, shape=shape, padding_mode=ZERO_PAD).reshape((rows, tiling.block_d_tail))
-    return HeadParts(load_rows(array, b, h, tile_index, rows, tiling.block_d), tail)
+        tail = load_tile(array, (b, h, tile_index, _tail_index(tiling)), (rows, tiling.block_d_tail), bulk)
+    return HeadParts(load_rows(array, b, h, tile_index, rows, tiling.block_d, bulk), tail)
 
 
 @ct.function
-def store_head(array, b, h, tile_index, parts, rows: ConstInt, tiling):
-    store_rows(array, b, h, tile_index, parts.main, rows, tiling.block_d)
+def store_head(array, b, h, tile_index, parts, rows: ConstInt, tiling, bulk: ConstBool = True):
+    store_rows(array, b, h, tile_index, parts.main, rows, tiling.block_d, bulk)
     if tiling.block_d_tail > 0:
-        tail = parts.tail.reshape((1, 1, rows, tiling.block_d_tail)).astype(array.dtype)
-        ct.store(array, index=(b, h, tile_index, _tail_index(tiling)), tile=tail)
+        store_tile(array, (b, h, tile_index, _tail_index(tiling)), parts.tail, (rows, tiling.block_d_tail), bulk)
 
 
 @ct.function

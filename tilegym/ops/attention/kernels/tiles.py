@@ -20,15 +20,42 @@ ZERO_PAD = ct.PaddingMode.ZERO
 
 
 @ct.function
-def load_rows(array, b, h, tile_index, rows: ConstInt, cols: ConstInt):
-    """A [rows, cols] tile of a [B, H, S, D] array, zero beyond S and D."""
-    tile = ct.load(array, index=(b, h, tile_index, 0), shape=(1, 1, rows, cols), padding_mode=ZERO_PAD)
+def load_rows(array, b, h, tile_index, rows: ConstInt, cols: ConstInt, bulk: ConstBool = True):
+    """A [rows, cols] tile of a [B, H, S, D] array, zero beyond S and D. bulk: the compiler may
+    use a bulk tensor copy (TMA); see load_tile."""
+    return load_tile(array, (b, h, tile_index, 0), (rows, cols), bulk)
+
+
+@ct.function
+def store_rows(array, b, h, tile_index, tile, rows: ConstInt, cols: ConstInt, bulk: ConstBool = True):
+    store_tile(array, (b, h, tile_index, 0), tile, (rows, cols), bulk)
+
+
+@ct.function
+def load_tile(array, index, shape: ct.Constant[tuple], bulk: ConstBool):
+    """A tile of shape (rows, cols) at index of a [B, H, S, D] array, zero-padded.
+
+    Without bulk, no bulk tensor copy: a program that loads a tile of a sliced array once
+    (packed.py) would first write the slice's copy descriptor to global memory and wait for it,
+    a round trip that costs more than a plain load of one tile.
+    """
+    rows, cols = shape
+    if bulk:
+        tile = ct.load(array, index=index, shape=(1, 1, rows, cols), padding_mode=ZERO_PAD)
+    else:
+        tile = ct.load(array, index=index, shape=(1, 1, rows, cols), padding_mode=ZERO_PAD, allow_tma=False)
     return tile.reshape((rows, cols))
 
 
 @ct.function
-def store_rows(array, b, h, tile_index, tile, rows: ConstInt, cols: ConstInt):
-    ct.store(array, index=(b, h, tile_index, 0), tile=tile.reshape((1, 1, rows, cols)).astype(array.dtype))
+def store_tile(array, index, tile, shape: ct.Constant[tuple], bulk: ConstBool):
+    """Stores a (rows, cols) tile at index of a [B, H, S, D] array (bulk: as load_tile)."""
+    rows, cols = shape
+    tile = tile.reshape((1, 1, rows, cols)).astype(array.dtype)
+    if bulk:
+        ct.store(array, index=index, tile=tile)
+    else:
+        ct.store(array, index=index, tile=tile, allow_tma=False)
 
 
 @ct.function
