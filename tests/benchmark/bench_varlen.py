@@ -59,8 +59,9 @@ DENSE_MULTIPLE = 64
 # Correctness before timing: the packed output's first sequences against SDPA per sequence.
 CHECK_SEQUENCES = 3
 CHECK_ABOVE = 2e-2
-DEFAULT_JSON = Path("docs/benchmarks/h100") / f"{PREFIX}.json"
-QUICK_JSON = Path("bench-out") / f"{PREFIX}.json"
+# As the other benchmarks: results go to bench-out/, and a run worth keeping is copied to
+# docs/benchmarks/h100/ by hand.
+DEFAULT_JSON = Path("bench-out") / f"{PREFIX}.json"
 
 
 # ---- the batch ----------------------------------------------------------------------------------
@@ -561,8 +562,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths and of the inputs")
     p.add_argument("--quick", action="store_true", help="a smoke run: bf16, D=128, causal only")
     p.add_argument("--json", type=Path, metavar="PATH",
-                   help=f"results file; without it {DEFAULT_JSON}, or {QUICK_JSON} with --quick so that a "
-                   "smoke run leaves the shipped results alone")  # fmt: skip
+                   help=f"results file (default {DEFAULT_JSON})")  # fmt: skip
     p.add_argument("--plots", type=Path, metavar="DIR",
                    help="draw a TFLOPS bar chart per mode into DIR; without it, no figures (one under "
                    "docs/benchmarks/h100 must be listed in docs/benchmarks/README.md)")  # fmt: skip
@@ -598,7 +598,7 @@ def main() -> None:
     started = time.perf_counter()
     results = run_all(shapes, args.modes, args.providers, lengths, args.seed)
     meta.update({"command": " ".join(bench_utils._argv()), "wall_seconds": round(time.perf_counter() - started, 1)})
-    path = args.json or (QUICK_JSON if args.quick else DEFAULT_JSON)
+    path = args.json or DEFAULT_JSON
     bench_utils.save_json(results, path, meta)
     print()
     report(results, args.plots, [meta])
