@@ -213,6 +213,40 @@ def test_op_attention_int64_indexed_twins_compile(kernel, tmp_path):
     assert sass.count_instructions(text, "HGMMA") > 0 or kernel in ROW_REDUCTIONS
 
 
+# Packed batches (kernels/packed.py) run every variant but the fused backward's (never packed:
+# dispatch.fused_backward). Plain, at every head-dim tile, they keep the SASS checks, and up to
+# D=128 the query-tile kernels build bulk-copy descriptors only for the two arrays their loops
+# read (packed.bulk_once): each one is a global round trip. With score modifiers they compile
+# with warpgroup MMA; the backward kernels then spill at D=128 with ALiBi (perf-notes#packed-batches).
+PACKED = tuple(name for name in VARIANTS if sass.takes(name, "varlen") and not VARIANTS[name].fixed.get("sum_dq"))
+_PACKED_MODIFIERS = {"windowed": True, "capped": True, "alibi": True, "with_sinks": True, "sinks_grad": True}
+PACKED_MATRIX = [
+    pytest.param(name, head_dim, causal, switches, id=f"{name}-d{head_dim}-{'causal' if causal else 'full'}-{label}")
+    for name in PACKED
+    for causal in _causal_forms(name)
+    for head_dim, label, switches in [(d, "plain", {}) for d in (64, 128, 192, 256)]
+    + [(d, "modifiers", _PACKED_MODIFIERS) for d in TUNED_HEAD_DIMS if VARIANTS[name].modifiable]
+    if configs.candidates(name, "sm_90", head_dim, 2)
+]
+
+
+@slow
+@pytest.mark.parametrize("kernel, head_dim, causal, switches", PACKED_MATRIX)
+def test_op_attention_packed_batches_compile(kernel, head_dim, causal, switches, tmp_path):
+    """Each variant a packed batch runs compiles with varlen for sm_90 at its first config."""
+    config = configs.candidates(kernel, "sm_90", head_dim, 2, modified=bool(switches))[0]
+    path = tmp_path / "k.cubin"
+    text = sass.disassemble(
+        sass.compile_cubin(kernel, ct.bfloat16, head_dim, config, causal, "sm_90", path, {"varlen": True, **switches})
+    )
+    if switches:
+        assert sass.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
+        return
+    _check_sass(kernel, text)
+    if configs.head_dim_tile(head_dim) <= 128 and VARIANTS[kernel].tiles == "query":  # packed.bulk_once
+        assert sass.count_instructions(text, r"UTMACCTL\.IV") <= 2, "a descriptor built for a tile loaded once"
+
+
 def test_every_variant_is_covered():
     """No compile: every variant in the registry reaches the compile tests above."""
     assert set(ROW_REDUCTIONS) <= set(VARIANTS), "ROW_REDUCTIONS names a variant the registry lacks"

@@ -194,3 +194,25 @@ def test_op_varlen_signature():
     for name in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"):
         assert functional[name].kind is inspect.Parameter.KEYWORD_ONLY, name
     assert "tile_fmha_varlen" in tilegym.__all__
+
+
+@pytest.mark.parametrize("value_dim", [HEAD_DIM, 128], ids=["dv-d", "dv-128"])
+def test_op_varlen_fake_implementations_give_the_shapes_of_the_real_ones(value_dim):
+    """torch.compile traces the operators' fake implementations: out [total_q, Hq, Dv] in q's
+    dtype, lse [Hq, total_q] float32, and the backward's gradients in their inputs' shapes."""
+    with FakeTensorMode():
+        arguments = valid_arguments("cuda")
+        arguments["v"] = torch.randn(TOTAL_K, KV_HEADS, value_dim, dtype=torch.bfloat16, device="cuda")
+        sinks = torch.zeros(Q_HEADS, dtype=torch.float32, device="cuda")
+        packed = [arguments[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+        lengths = (arguments["max_seqlen_q"], arguments["max_seqlen_k"])
+        settings = (None, True, None, None)  # scaling, is_causal, window_size, softcap
+        out, lse = torch.ops.tilegym.attention_varlen(*packed, *lengths, None, sinks, *settings)
+        assert (out.shape, out.dtype) == ((TOTAL_Q, Q_HEADS, value_dim), torch.bfloat16)
+        assert (lse.shape, lse.dtype) == ((Q_HEADS, TOTAL_Q), torch.float32)
+        q, k, v = packed[:3]
+        grads = torch.ops.tilegym.attention_varlen_backward(
+            torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, *packed[3:], *lengths, None, sinks,
+            *settings, True,
+        )  # fmt: skip
+        assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape), (Q_HEADS,)]

@@ -18,7 +18,7 @@ from tilegym.ops.attention.kernels.head import (
     store_head,
 )
 from tilegym.ops.attention.kernels.modifiers import head_mods, pre_cap_gradient, scores, softcap_values
-from tilegym.ops.attention.kernels.packed import past_the_end, rows_of, sequence_rows
+from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
 from tilegym.ops.attention.kernels.state import DqTile, KeyState, KeyTile, RowStats, Scoring, Switches, Tiling
@@ -276,8 +276,9 @@ def attention_backward_dkdv_kernel(
 
     # A packed batch's program loads its key tile and stores dK, dV once: no bulk copies
     # (tiles.load_tile).
-    k = load_head(K, b, kv_head, kv_tile, block_n, tiling, not varlen)  # [block_n, D]
-    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv, not varlen)  # [block_n, block_dv]
+    bulk = bulk_once(varlen, tiling, False)
+    k = load_head(K, b, kv_head, kv_tile, block_n, tiling, bulk)  # [block_n, D]
+    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv, bulk)  # [block_n, block_dv]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
     d_key = head_zeros(block_n, tiling, acc_dtype)
     d_value = ct.zeros((block_n, block_dv), acc_dtype)
@@ -309,8 +310,8 @@ def attention_backward_dkdv_kernel(
         add_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
         add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
     else:
-        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling, not varlen)
-        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv, not varlen)
+        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling, bulk)
+        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv, bulk)
 
 
 @ct.function
@@ -416,9 +417,10 @@ def attention_backward_dq_kernel(
     )
 
     # A packed batch's program loads these and stores dQ once: no bulk copies (tiles.load_tile).
-    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, not varlen)
-    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv, not varlen)
-    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv, not varlen)
+    bulk = bulk_once(varlen, scoring.tiling, True)
+    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, bulk)
+    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv, bulk)
+    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv, bulk)
     stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile)
@@ -428,4 +430,4 @@ def attention_backward_dq_kernel(
     tile = DqTile(q, d_out, stats.lse_base2[:, None], stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
     d_query = over_segments(_dq_loop, key_segments(q_tile, scoring), d_query, tile)
     d_query = head_scaled(d_query, softmax_scale, scoring.tiling)
-    store_head(dQ, b, q_head, q_tile, d_query, block_m, scoring.tiling, not varlen)
+    store_head(dQ, b, q_head, q_tile, d_query, block_m, scoring.tiling, bulk)

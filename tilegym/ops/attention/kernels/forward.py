@@ -10,7 +10,7 @@ import cuda.tile as ct
 from tilegym.kernel_cache import CachedKernel
 from tilegym.ops.attention.kernels.head import head_dot, load_head
 from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, scores, softcap_values
-from tilegym.ops.attention.kernels.packed import past_the_end, rows_of, sequence_rows
+from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
 from tilegym.ops.attention.kernels.state import ForwardState, ForwardTile, Scoring, Switches, Tiling
@@ -243,7 +243,8 @@ def attention_forward_kernel(
     )
 
     # A packed batch's program loads its query tile and stores its output once: no bulk copies.
-    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, not varlen)
+    bulk = bulk_once(varlen, scoring.tiling, True)
+    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, bulk)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     state = ForwardState(
         ct.full((block_m, 1), NEG_INF, acc_dtype),
@@ -261,7 +262,7 @@ def attention_forward_kernel(
     # cost the epilogue a share of a short sequence's time.
     row_sum = state.row_sum
     out = state.acc * (1.0 / ct.where(row_sum == 0.0, 1.0, row_sum))
-    store_rows(Out, b, q_head, q_tile, out, block_m, block_dv, not varlen)
+    store_rows(Out, b, q_head, q_tile, out, block_m, block_dv, bulk)
     if write_lse:
         row_max = state.row_max
         if keeps_raw_scores(switches) and not with_sinks:

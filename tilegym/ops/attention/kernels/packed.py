@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import Value
+from tilegym.ops.attention.kernels.tiles import ConstBool
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,19 @@ def past_the_end(tile_start, rows):
 def rows_of(array, rows):
     """array's rows of one sequence: a view, nothing copied."""
     return array.slice(2, rows.start, rows.end)
+
+
+@ct.function
+def bulk_once(varlen: ConstBool, tiling, query_tiles: ConstBool):
+    """Whether a program's tiles that it loads or stores once go by bulk copy (tiles.load_tile).
+
+    Dense: always. Packed: a bulk copy from a slice first writes the slice's descriptor to
+    global memory and waits for it, a round trip that costs a short program a share of its time
+    (a query tile's forward or dQ program: query_tiles). Those load their once-tiles without one
+    up to 128-wide heads; wider heads keep bulk copies, since a plain load holds its tile in
+    registers, which then spill (sm_90, D=192: up to 207 local loads and stores in the dQ
+    kernel). The dK/dV kernel keeps them: its programs are long, and without them its D=128
+    kernel spilled.
+    """
+    narrow = tiling.block_d <= 128 and tiling.block_d_tail == 0 and tiling.block_dv <= 128
+    return not (varlen and query_tiles and narrow)
