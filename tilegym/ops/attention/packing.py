@@ -14,16 +14,11 @@ import torch
 
 from tilegym import env
 from tilegym.ops.attention import score_mods
-from tilegym.ops.attention.problem import (
-    _MAX_GRID_YZ,
-    SUPPORTED_DTYPES,
-    AttentionProblem,
-    Packing,
-    _check_all_inputs,
-)
+from tilegym.ops.attention.problem import _MAX_GRID_YZ, AttentionProblem, Packing, _check_all_inputs, check_tensor
 from tilegym.ops.attention.score_mods import ModTensors
 
 CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
+PACKED_LAYOUT = ("total", "heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,7 @@ def check_packed_inputs(
     torch.compile traces, where they have no values).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_packed_tensor(name, t)
+        check_tensor(name, t, PACKED_LAYOUT)
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same total and heads, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -114,16 +109,6 @@ def check_packed_inputs(
         packing=Packing(total_q, total_k),
     )
     return problem, dataclasses.replace(mod_tensors, slopes=slopes), CuSeqlens(cu_seqlens_q, cu_seqlens_k)
-
-
-def _check_packed_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 3:
-        raise ValueError(f"{name} must have 3 dimensions [total, heads, head_dim], got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
 
 
 def _check_cu_seqlens(name: str, cu, q: torch.Tensor) -> None:

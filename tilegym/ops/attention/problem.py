@@ -79,11 +79,15 @@ class AttentionProblem:
         )
 
 
-def _check_tensor(name: str, t) -> None:
+DENSE_LAYOUT = ("batch", "heads", "seq_len", "head_dim")
+
+
+def check_tensor(name: str, t, layout: tuple[str, ...] = DENSE_LAYOUT) -> None:
+    """q, k or v: a tensor of layout's rank in a supported dtype."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must have 4 dimensions [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}")
+    if t.dim() != len(layout):
+        raise ValueError(f"{name} must have {len(layout)} dimensions [{', '.join(layout)}], got shape {tuple(t.shape)}")
     if t.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
@@ -146,7 +150,7 @@ def _check_all_inputs(
     q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad, sinks=None
 ) -> tuple[AttentionProblem, ModTensors]:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if k.shape[:3] != v.shape[:3]:
