@@ -722,3 +722,68 @@ def test_op_sinks_without_keys():
     assert torch.equal(ref_lse, lse[:, :2])
     (ref_lse * d_lse[:, :2]).sum().backward()
     torch.testing.assert_close(sink_ref.grad, expected[:2])
+
+
+# ---- packed batches ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice", ["auto", "fused"])
+def test_op_packed_launch_arguments(monkeypatch, choice):
+    """A packed batch launches the forward and the two-kernel backward (never the fused one) with
+    varlen on, its cumulative lengths and longest lengths, the [1, H, total, D] views of its own
+    tensors, and a grid of the longest sequence's tiles x heads x sequences; outputs and
+    gradients come back in the packed layout."""
+    import inspect
+
+    from tilegym.ops.attention.packing import CuSeqlens
+    from tilegym.ops.attention.problem import Packing
+    from tilegym.ops.attention.score_mods import NO_TENSORS
+
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    _RecordingLauncher.launches = []
+    total_q, total_k, q_heads, kv_heads, head_dim = 50, 60, 4, 2, 64
+    q = torch.randn(total_q, q_heads, head_dim, dtype=torch.bfloat16)
+    k, v = (torch.randn(total_k, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    cu_seqlens = CuSeqlens(torch.tensor([0, 20, 50], dtype=torch.int32), torch.tensor([0, 35, 60], dtype=torch.int32))
+    problem = problem_mod.AttentionProblem(
+        2, q_heads, kv_heads, 30, 35, head_dim, torch.bfloat16, 0.125, True, packing=Packing(total_q, total_k)
+    )
+    out, lse = launch.forward_packed(q, k, v, problem, True, NO_TENSORS, cu_seqlens)
+    d_out = torch.randn_like(out)
+    grads = launch.backward_packed(d_out, q, k, v, out, lse, problem, NO_TENSORS, cu_seqlens, None, False)
+
+    assert out.shape == (total_q, q_heads, head_dim) and out.is_contiguous() and lse.shape == (q_heads, total_q)
+    assert [tuple(g.shape) for g in (grads.dq, grads.dk, grads.dv)] == [tuple(t.shape) for t in (q, k, v)]
+    launched = [name for name, *_ in _RecordingLauncher.launches]
+    assert launched == [configs.FORWARD_LSE, configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
+    packed = {"Q": q, "K": k, "V": v, "Out": out, "dOut": d_out, "dQ": grads.dq, "dK": grads.dk, "dV": grads.dv}
+    for name, kernel, grid, args, config in _RecordingLauncher.launches:
+        values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
+        assert values["varlen"] is True, name
+        assert values["CuSeqlensQ"] is cu_seqlens.q and values["CuSeqlensK"] is cu_seqlens.k, name
+        assert (values["max_seqlen_q"], values["max_seqlen_k"]) == (30, 35), name
+        for parameter, tensor in packed.items():
+            if parameter in values:
+                view = values[parameter]
+                assert view.data_ptr() == tensor.data_ptr(), f"{name}: {parameter}"
+                assert view.shape == (1, tensor.shape[1], tensor.shape[0], tensor.shape[2]), f"{name}: {parameter}"
+        if "Lse" in values:
+            assert values["Lse"].data_ptr() == lse.data_ptr() and values["Lse"].shape == (1, q_heads, total_q), name
+        keys = name == configs.BACKWARD_DKDV
+        block = config.block_n if keys else config.block_m
+        assert grid == (math.ceil((35 if keys else 30) / block), kv_heads if keys else q_heads, 2), name
+
+
+def test_op_dense_launches_carry_no_packing(monkeypatch):
+    """Dense calls pass varlen off and an int32 placeholder for the cumulative lengths."""
+    import inspect
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    _RecordingLauncher.launches = []
+    q, k, v = _cpu_inputs()
+    problem = problem_mod.AttentionProblem(1, 4, 2, 16, 16, 64, torch.bfloat16, 0.125, True)
+    launch.forward(q, k, v, problem, with_lse=True)
+    (name, kernel, _, args, _), *_ = _RecordingLauncher.launches
+    values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
+    assert values["varlen"] is False and values["CuSeqlensQ"].dtype == torch.int32
