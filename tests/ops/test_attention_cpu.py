@@ -787,3 +787,48 @@ def test_op_dense_launches_carry_no_packing(monkeypatch):
     (name, kernel, _, args, _), *_ = _RecordingLauncher.launches
     values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
     assert values["varlen"] is False and values["CuSeqlensQ"].dtype == torch.int32
+
+
+def test_op_plain_packed_calls_are_checked_in_full_once(monkeypatch):
+    """As for dense calls: a plain packed call like one checked before takes its problem (with
+    this call's cumulative lengths); a modifier, other lengths or max lengths, a 0-d tensor max
+    length or TILEGYM_CHECK_VARLEN (which reads the lengths' contents) go through every check."""
+    from tilegym.ops.attention import packing
+
+    calls = []
+
+    def full_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, *rest):
+        calls.append(rest)
+        problem = problem_mod.AttentionProblem(2, 4, 2, 8, 8, 64, q.dtype, 0.125, True)
+        return problem, score_mods.ModTensors(), packing.CuSeqlens(cu_seqlens_q, cu_seqlens_k)
+
+    monkeypatch.setattr(packing, "_check_in_full", full_checks)
+    monkeypatch.setattr(packing, "_checked_plain_calls", {})
+    monkeypatch.delenv(packing.CHECK_VARLEN, raising=False)
+    q, k, v = (torch.randn(12, heads, 64, dtype=torch.bfloat16) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    first, _, _ = packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True)
+    other_cu = cu.clone()
+    again, mod_tensors, lengths = packing.check_packed_inputs(q, k, v, other_cu, other_cu, 7, 7, None, True)
+    assert len(calls) == 1 and again is first and mod_tensors == score_mods.NO_TENSORS
+    assert lengths.q is other_cu and lengths.k is other_cu
+    other_calls = (  # checked in full once each, then known
+        lambda: packing.check_packed_inputs(q, k, v, cu, cu, 8, 7, None, True),
+        lambda: packing.check_packed_inputs(q, k, v, cu[:2], cu[:2], 7, 7, None, True),
+        lambda: packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, False),
+    )
+    never_known = (  # checked in full every time
+        lambda: packing.check_packed_inputs(q, k, v, cu, cu, torch.tensor(7), 7, None, True),
+        lambda: packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, window_size=(4, 0)),
+    )
+    for expected, group in ((1, other_calls), (2, never_known)):
+        for call in group:
+            before = len(calls)
+            call()
+            call()
+            assert len(calls) == before + expected
+    monkeypatch.setenv(packing.CHECK_VARLEN, "1")
+    before = len(calls)
+    packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True)
+    packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True)
+    assert len(calls) == before + 2
