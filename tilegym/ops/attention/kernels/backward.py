@@ -274,11 +274,9 @@ def attention_backward_dkdv_kernel(
     switches = Switches(windowed, capped, bias_mode, alibi)
     tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
 
-    # A packed batch's program loads its key tile and stores dK, dV once: no bulk copies
-    # (tiles.load_tile).
-    bulk = bulk_once(varlen, tiling, False)
-    k = load_head(K, b, kv_head, kv_tile, block_n, tiling, bulk)  # [block_n, D]
-    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv, bulk)  # [block_n, block_dv]
+    # Bulk copies also for a packed batch, whose dK/dV programs are long (packed.bulk_once).
+    k = load_head(K, b, kv_head, kv_tile, block_n, tiling)  # [block_n, D]
+    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv)  # [block_n, block_dv]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
     d_key = head_zeros(block_n, tiling, acc_dtype)
     d_value = ct.zeros((block_n, block_dv), acc_dtype)
@@ -310,8 +308,8 @@ def attention_backward_dkdv_kernel(
         add_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
         add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
     else:
-        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling, bulk)
-        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv, bulk)
+        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
+        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
 
 
 @ct.function
@@ -417,7 +415,7 @@ def attention_backward_dq_kernel(
     )
 
     # A packed batch's program loads these and stores dQ once: no bulk copies (tiles.load_tile).
-    bulk = bulk_once(varlen, scoring.tiling, True)
+    bulk = bulk_once(varlen, scoring.tiling)
     q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, bulk)
     d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv, bulk)
     out = load_rows(Out, b, q_head, q_tile, block_m, block_dv, bulk)

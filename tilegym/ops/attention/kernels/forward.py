@@ -243,7 +243,7 @@ def attention_forward_kernel(
     )
 
     # A packed batch's program loads its query tile and stores its output once: no bulk copies.
-    bulk = bulk_once(varlen, scoring.tiling, True)
+    bulk = bulk_once(varlen, scoring.tiling)
     q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, bulk)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     state = ForwardState(

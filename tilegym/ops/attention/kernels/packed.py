@@ -54,16 +54,16 @@ def rows_of(array, rows):
 
 
 @ct.function
-def bulk_once(varlen: ConstBool, tiling, query_tiles: ConstBool):
-    """Whether a program's tiles that it loads or stores once go by bulk copy (tiles.load_tile).
+def bulk_once(varlen: ConstBool, tiling):
+    """Whether the tiles a forward or dQ program loads or stores once go by bulk copy
+    (tiles.load_tile).
 
     Dense: always. Packed: a bulk copy from a slice first writes the slice's descriptor to
-    global memory and waits for it, a round trip that costs a short program a share of its time
-    (a query tile's forward or dQ program: query_tiles). Those load their once-tiles without one
-    up to 128-wide heads; wider heads keep bulk copies, since a plain load holds its tile in
-    registers, which then spill (sm_90, D=192: up to 207 local loads and stores in the dQ
-    kernel). The dK/dV kernel keeps them: its programs are long, and without them its D=128
-    kernel spilled.
+    global memory and waits for it, a round trip that costs these short programs a share of
+    their time, so up to 128-wide heads they load those tiles without one. Wider heads keep bulk
+    copies, since a plain load holds its tile in registers, which then spill (sm_90, D=192: up
+    to 207 local loads and stores in the dQ kernel). The dK/dV kernel keeps them too: its
+    programs are long, and without them its D=128 kernel spilled.
     """
     narrow = tiling.block_d <= 128 and tiling.block_d_tail == 0 and tiling.block_dv <= 128
-    return not (varlen and query_tiles and narrow)
+    return not (varlen and narrow)
