@@ -832,3 +832,45 @@ def test_op_plain_packed_calls_are_checked_in_full_once(monkeypatch):
     packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True)
     packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True)
     assert len(calls) == before + 2
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out-lse"])
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_op_packed_api_returns_and_differentiates(monkeypatch, return_lse, training):
+    """tile_fmha_functional on a packed batch of CPU tensors, its checks stood in for and its
+    launches recorded: out (and lse) in the packed layout, new tensors; training runs the forward with the
+    LSE and, on backward, the two-kernel backward, whose gradients reach q, k and v."""
+    from tilegym.ops.attention import api
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    monkeypatch.setattr(api, "check_packed_inputs", _checked_on_the_cpu)
+    monkeypatch.setattr(launch, "compile_backward_ahead", lambda *args, **kwargs: None)
+    _RecordingLauncher.launches = []
+    q, k, v = (torch.randn(12, heads, 64, dtype=torch.bfloat16, requires_grad=True) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    result = tile_fmha_functional(
+        q, k, v, None, True, training, return_lse=return_lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7,
+        max_seqlen_k=7,
+    )  # fmt: skip
+    out, lse = result if return_lse else (result, None)
+    assert out.shape == (12, 4, 64) and out._base is None
+    assert lse is None or (lse.shape == (4, 12) and lse._base is None)
+    assert (out.grad_fn is not None) == training
+    if training:
+        (out.float().sum() + (0 if lse is None else lse.sum())).backward()
+        assert [tuple(t.grad.shape) for t in (q, k, v)] == [(12, 4, 64), (12, 2, 64), (12, 2, 64)]
+    launched = [name for name, *_ in _RecordingLauncher.launches]
+    forward = configs.FORWARD_LSE if training or return_lse else configs.FORWARD
+    assert launched == [forward] + ([configs.BACKWARD_DQ, configs.BACKWARD_DKDV] if training else [])
+
+
+def _checked_on_the_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal, *mods):
+    """packing.check_packed_inputs of CPU tensors: the problem a CUDA call would get."""
+    from tilegym.ops.attention.packing import CuSeqlens
+    from tilegym.ops.attention.problem import Packing
+
+    problem = problem_mod.AttentionProblem(
+        cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2], q.dtype,
+        1 / math.sqrt(q.shape[2]), is_causal, packing=Packing(q.shape[0], k.shape[0]),
+    )  # fmt: skip
+    return problem, score_mods.NO_TENSORS, CuSeqlens(cu_seqlens_q, cu_seqlens_k)

@@ -217,12 +217,9 @@ def tile_fmha_varlen(
         out = tile_fmha_varlen(q, k, v, cu, cu, max(lengths), max(lengths))
         out.sum().backward()
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-    out, lse = _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, differentiable=True)
-    return (out, lse) if return_lse else out
+    return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, differentiable=True)
 
 
 def tile_fmha_functional(
@@ -261,12 +258,9 @@ def tile_fmha_functional(
             raise ValueError(
                 "attn_bias is not supported with a packed batch (cu_seqlens_q); use window_size or alibi_slopes"
             )
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-        out, lse = _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training)
-        return (out, lse) if return_lse else out
+        return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
             raise ValueError(f"{name} is given without cu_seqlens_q and cu_seqlens_k: a packed batch needs all four")
@@ -308,12 +302,20 @@ class _Packed:
     max_seqlen_k: int
 
 
-def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool):
-    """(out [total_q, Hq, Dv], lse [Hq, total_q] or None) of a packed batch: through autograd
-    when differentiable and a gradient is wanted, else the forward alone."""
+def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool):
+    """out [total_q, Hq, Dv], or with_lse (out, lse [Hq, total_q]), of a packed batch: through
+    autograd when differentiable and a gradient is wanted, else the forward alone."""
+    if not isinstance(with_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
     if torch.compiler.is_compiling():
         out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, differentiable)
-        return out, lse if with_lse else None
+    else:
+        out, lse = _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable)
+    return (out, lse) if with_lse else out
+
+
+def _packed_eager(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool):
+    """(out, lse or None) of a packed batch outside torch.compile."""
     problem, mod_tensors, cu_seqlens = check_packed_inputs(
         q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
         is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
@@ -322,8 +324,7 @@ def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed,
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
         views = heads_major(q), heads_major(k), heads_major(v)
         launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
-        out, lse = PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
-        return out, lse if with_lse else None
+        return PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
     return launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
 
 

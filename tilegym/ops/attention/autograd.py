@@ -16,16 +16,14 @@ class AttentionFunction(torch.autograd.Function):
     mod_tensors, their normalized views, and the ALiBi slopes from there (no gradient).
     A gradient of the LSE folds into the backward's row statistic: dLSE_i adds dLSE_i * P_ij
     to each score's gradient, which is Delta_i - dLSE_i in place of Delta_i.
-    A packed batch passes heads_major views of its tensors and its cumulative lengths.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, sinks, problem: AttentionProblem, mod_tensors: ModTensors, cu_seqlens=None):
-        out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors, cu_seqlens=cu_seqlens)
+    def forward(ctx, q, k, v, attn_bias, sinks, problem: AttentionProblem, mod_tensors: ModTensors):
+        out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         ctx.mod_tensors = mod_tensors
-        ctx.cu_seqlens = cu_seqlens
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return out, lse

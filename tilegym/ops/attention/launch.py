@@ -7,6 +7,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from types import MappingProxyType
 
 import torch
 
@@ -37,11 +38,11 @@ def output(q: torch.Tensor, problem: AttentionProblem) -> torch.Tensor:
     return q.new_empty((*q.shape[:3], problem.value_dim))
 
 
-def row_stat(problem: AttentionProblem, device, fill: float | None = None) -> torch.Tensor:
-    """A [B, Hq, Sq] row statistic (the LSE, Delta), packed [1, Hq, total_q]: fp64 for fp64
-    inputs, else fp32; fill: the value of rows no program writes (None: uninitialized)."""
+def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
+    """An uninitialized [B, Hq, Sq] row statistic (the LSE, Delta), packed [1, Hq, total_q]: fp64
+    for fp64 inputs, else fp32."""
     if problem.packing:
-        return packing.row_stat(problem, device, fill)[None]
+        return packing.row_stat(problem, device)[None]
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
     return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=dtype, device=device)
 
@@ -91,12 +92,20 @@ class _Launcher(TunedLauncher):
 def _packing_arguments(problem: AttentionProblem, cu_seqlens: CuSeqlens | None, device) -> dict:
     """The kernels' arguments of a packed batch by name; placeholders for a dense one."""
     if problem.packing is None:
-        unused = _unused(device, 1, torch.int32)
-        return {"CuSeqlensQ": unused, "CuSeqlensK": unused, "max_seqlen_q": 0, "max_seqlen_k": 0, "varlen": False}
+        return _dense_packing_arguments(device)
     return {
         "CuSeqlensQ": cu_seqlens.q, "CuSeqlensK": cu_seqlens.k,
         "max_seqlen_q": problem.seqlen_q, "max_seqlen_k": problem.seqlen_k, "varlen": True,
     }  # fmt: skip
+
+
+@cache
+def _dense_packing_arguments(device: torch.device) -> MappingProxyType:
+    """_packing_arguments of every dense call on a device, made once (every launch reads them)."""
+    unused = _unused(device, 1, torch.int32)
+    return MappingProxyType(
+        {"CuSeqlensQ": unused, "CuSeqlensK": unused, "max_seqlen_q": 0, "max_seqlen_k": 0, "varlen": False}
+    )
 
 
 def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor) -> dict:
@@ -155,8 +164,7 @@ def forward(
     q, k, v, problem: AttentionProblem, with_lse: bool, out=None, lse=None, mod_tensors=NO_TENSORS, cu_seqlens=None
 ):
     """out (and lse when with_lse) of validated inputs; packed (problem.packing), q, k and v are
-    heads_major views, cu_seqlens their CuSeqlens, and out and lse cover every row: zeros and
-    -inf where no sequence is.
+    heads_major views and cu_seqlens their CuSeqlens (forward_packed gives out and lse).
 
     out and lse may be given (contiguous, right shape and dtype) to be written in place.
     """
@@ -165,7 +173,7 @@ def forward(
     if out is None:
         out = output(q, problem)
     if lse is None and with_lse:
-        lse = row_stat(problem, device, -math.inf if problem.packing else None)
+        lse = row_stat(problem, device)
     if problem.is_empty:
         return out, lse
     if problem.seqlen_k == 0 and not problem.packing:  # no key to attend to: every row is empty

@@ -112,21 +112,9 @@ def _plain_call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _check_in_full(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    scaling,
-    is_causal,
-    window_size=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    read_contents=True,
-) -> tuple[AttentionProblem, ModTensors, CuSeqlens]:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal, window_size, softcap,
+    alibi_slopes, sinks, read_contents,
+) -> tuple[AttentionProblem, ModTensors, CuSeqlens]:  # fmt: skip
     """Every check of a packed call.
 
     The problem's batch counts the sequences and its seqlen_q, seqlen_k are the longest lengths
