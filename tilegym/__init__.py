@@ -4,6 +4,9 @@ Importing this package touches no GPU: kernels compile on first use.
 """
 
 from tilegym.ops import (
+    BlockMask,
+    UserFunctionError,
+    create_block_mask,
     fmha_forward_with_lse,
     tile_fmha,
     tile_fmha_functional,
@@ -12,4 +15,13 @@ from tilegym.ops import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional", "tile_fmha_varlen"]
+__all__ = [
+    "tile_fmha",
+    "fmha_forward_with_lse",
+    "tile_fmha_with_backward",
+    "tile_fmha_functional",
+    "tile_fmha_varlen",
+    "create_block_mask",
+    "BlockMask",
+    "UserFunctionError",
+]

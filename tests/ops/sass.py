@@ -50,7 +50,7 @@ from tilegym.ops.attention.variants import VARIANTS
 # The score modifiers' switches, all off: plain attention.
 PLAIN = {
     "windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0, "with_sinks": False,
-    "lse_grad": False, "sinks_grad": False, "varlen": False,
+    "lse_grad": False, "sinks_grad": False, "varlen": False, "block_sparse": False,
 }  # fmt: skip
 # Per-row arrays [B, H, S] in the accumulators' dtype: statistics, the LSE's gradient, and the
 # per-tile shares of the sinks' gradient ([B, H, query tiles]).
@@ -85,14 +85,22 @@ def array_constraint(dtype, ndim: int, index_dtype=ct.int32) -> ArrayConstraint:
 
 
 def signature(
-    name: str, dtype, head_dim: int, config: autotune.TileConfig, causal: bool, switches=None, wide=False
+    name: str,
+    dtype,
+    head_dim: int,
+    config: autotune.TileConfig,
+    causal: bool,
+    switches=None,
+    wide=False,
+    arrays=None,
 ) -> KernelSignature:
     """A variant's signature for one launch, built from its kernel's parameter names and annotations.
 
     The variant's pinned parameters (Variant.fixed) are constants; switches overrides entries
     of PLAIN (the score modifiers' switches); wide gives every array int64 sizes and strides
-    (index_width.wide's twin of the kernel). Only the head-dim tile enters the code: head dims
-    with the same tile (80, 96 and 128) compile to the same cubin.
+    (index_width.wide's twin of the kernel); arrays maps parameter names to (dtype, ndim) of
+    other arrays than the defaults (the caller's aux tensors, say). Only the head-dim tile enters
+    the code: head dims with the same tile (80, 96 and 128) compile to the same cubin.
     """
     index_dtype = ct.int64 if wide else ct.int32
     variant = VARIANTS[name]
@@ -110,7 +118,9 @@ def signature(
     }
     params = []
     for param_name, param in inspect.signature(variant.kernel._pyfunc).parameters.items():
-        if param_name in constants:
+        if arrays and param_name in arrays:
+            params.append(array_constraint(*arrays[param_name], index_dtype))
+        elif param_name in constants:
             params.append(constants[param_name])
         elif param.annotation is float:
             params.append(ScalarConstraint(ct.float32))
@@ -127,6 +137,13 @@ def signature(
             params.append(array_constraint(ct.float32, 2, index_dtype))
         elif param_name in ("CuSeqlensQ", "CuSeqlensK"):
             params.append(array_constraint(ct.int32, 1, index_dtype))
+        elif param_name == "MaskCounts":
+            params.append(array_constraint(ct.int32, 4, index_dtype))
+        elif param_name == "MaskTiles":
+            params.append(array_constraint(ct.int32, 5, index_dtype))
+        elif param_name.startswith(("Aux", "MaskAux")):
+            # The caller's tensors (or one-element placeholders without a function).
+            params.append(array_constraint(ct.float32, 1, index_dtype))
         elif param_name == "Sinks":
             params.append(array_constraint(stat_dtype, 1, index_dtype))
         else:

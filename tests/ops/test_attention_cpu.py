@@ -277,9 +277,11 @@ class _RecordingLauncher:
     launches: list = []
     compiled_ahead: list = []
 
-    def __init__(self, problem, device):
+    def __init__(self, problem, device, block_mask=None):
         self.arch = "sm_90"
         self.problem = problem
+        self.block_mask = block_mask
+        self.device = device
 
     def candidates(self, name):
         return configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)

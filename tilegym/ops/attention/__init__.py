@@ -8,5 +8,16 @@ from tilegym.ops.attention.api import (
     tile_fmha_varlen,
     tile_fmha_with_backward,
 )
+from tilegym.ops.attention.block_mask import BlockMask, create_block_mask
+from tilegym.ops.attention.programmable import UserFunctionError
 
-__all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional", "tile_fmha_varlen"]
+__all__ = [
+    "tile_fmha",
+    "fmha_forward_with_lse",
+    "tile_fmha_with_backward",
+    "tile_fmha_functional",
+    "tile_fmha_varlen",
+    "create_block_mask",
+    "BlockMask",
+    "UserFunctionError",
+]

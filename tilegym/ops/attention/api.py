@@ -33,13 +33,16 @@ Score modifiers, keyword arguments of every function (score_mods.py has the exac
   summed over batch and rows in a fixed order.
 """
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from tilegym.ops.attention import custom_ops, launch
+from tilegym.ops.attention import custom_ops, launch, programmable
 from tilegym.ops.attention.autograd import AttentionFunction, PackedAttentionFunction
+from tilegym.ops.attention.block_mask import BlockMask, check_block_mask
 from tilegym.ops.attention.packing import check_packed_inputs, heads_major
 from tilegym.ops.attention.problem import check_inputs
 
@@ -60,6 +63,13 @@ def tile_fmha(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    score_mod: Callable | None = None,
+    score_mod_grad: Callable | None = None,
+    aux: tuple[Tensor, ...] | None = None,
+    aux_grad: Callable | None = None,
+    mask_mod: Callable | None = None,
+    mask_aux: tuple[Tensor, ...] | None = None,
+    block_mask: BlockMask | None = None,
 ) -> Tensor:
     """Attention output for inference: no LSE is written and nothing is saved for backward.
 
@@ -83,6 +93,10 @@ def tile_fmha(
         out = tile_fmha(q, k, v, is_causal=True)  # GQA 4:1
     """
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
+    programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    if programs is not None:
+        out, _ = _programmed_forward(q, k, v, scaling, is_causal, mods, programs, with_lse=False)
+        return out
     if torch.compiler.is_compiling():
         out, _ = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=False, differentiable=False)
         return out
@@ -103,6 +117,13 @@ def fmha_forward_with_lse(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    score_mod: Callable | None = None,
+    score_mod_grad: Callable | None = None,
+    aux: tuple[Tensor, ...] | None = None,
+    aux_grad: Callable | None = None,
+    mask_mod: Callable | None = None,
+    mask_aux: tuple[Tensor, ...] | None = None,
+    block_mask: BlockMask | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) for inference; arguments as tile_fmha.
 
@@ -111,6 +132,10 @@ def fmha_forward_with_lse(
     No gradient flows: tile_fmha_with_backward(..., return_lse=True) is the differentiable form.
     """
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
+    programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    if programs is not None:
+        out, lse = _programmed_forward(q, k, v, scaling, is_causal, mods, programs, with_lse=True)
+        return out, lse.to(torch.float32)
     if torch.compiler.is_compiling():
         out, lse = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=True, differentiable=False)
         return out, lse.to(torch.float32)
@@ -131,6 +156,13 @@ def tile_fmha_with_backward(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    score_mod: Callable | None = None,
+    score_mod_grad: Callable | None = None,
+    aux: tuple[Tensor, ...] | None = None,
+    aux_grad: Callable | None = None,
+    mask_mod: Callable | None = None,
+    mask_aux: tuple[Tensor, ...] | None = None,
+    block_mask: BlockMask | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention output for training, differentiable with respect to q, k, v, attn_bias and
@@ -151,6 +183,10 @@ def tile_fmha_with_backward(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
+    programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    if programs is not None:
+        out, lse = _programmed_training(q, k, v, scaling, is_causal, mods, programs)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():
         out, lse = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=True, differentiable=True)
         return (out, lse) if return_lse else out
@@ -235,6 +271,13 @@ def tile_fmha_functional(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    score_mod: Callable | None = None,
+    score_mod_grad: Callable | None = None,
+    aux: tuple[Tensor, ...] | None = None,
+    aux_grad: Callable | None = None,
+    mask_mod: Callable | None = None,
+    mask_aux: tuple[Tensor, ...] | None = None,
+    block_mask: BlockMask | None = None,
     return_lse: bool = False,
     cu_seqlens_q: Tensor | None = None,
     cu_seqlens_k: Tensor | None = None,
@@ -250,10 +293,17 @@ def tile_fmha_functional(
     batch, as tile_fmha_varlen takes it (no attn_bias); training=False then returns the same
     values without a gradient."""
     if training is None:
-        training = _needs_grad(q, k, v, attn_bias, sinks)
+        training = _needs_grad(q, k, v, attn_bias, sinks, *(aux if isinstance(aux, (tuple, list)) else (aux,)))
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
+    programs = {
+        "score_mod": score_mod, "score_mod_grad": score_mod_grad, "aux": aux, "aux_grad": aux_grad,
+        "mask_mod": mask_mod, "mask_aux": mask_aux, "block_mask": block_mask,
+    }  # fmt: skip
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        given = [name for name, value in programs.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not supported with a packed batch (cu_seqlens_q) yet")
         if attn_bias is not None:
             raise ValueError(
                 "attn_bias is not supported with a packed batch (cu_seqlens_q); use window_size or alibi_slopes"
@@ -266,7 +316,7 @@ def tile_fmha_functional(
             raise ValueError(f"{name} is given without cu_seqlens_q and cu_seqlens_k: a packed batch needs all four")
     mods = {
         "attn_bias": attn_bias, "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,
-        "sinks": sinks,
+        "sinks": sinks, **programs,
     }  # fmt: skip
     if training:
         return tile_fmha_with_backward(q, k, v, scaling, is_causal, return_lse=return_lse, **mods)
@@ -290,6 +340,78 @@ class _Mods:
             q, k, v, scaling, is_causal, self.attn_bias, self.window_size, self.softcap, self.alibi_slopes,
             sinks=self.sinks,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Programs:
+    """The caller's score and mask functions and their tensors, as given (programmable.py)."""
+
+    score_mod: Callable | None
+    score_mod_grad: Callable | None
+    aux: tuple | None
+    aux_grad: Callable | None
+    mask_mod: Callable | None
+    mask_aux: tuple | None
+    block_mask: BlockMask | None
+
+    @classmethod
+    def of(cls, *given) -> "_Programs | None":
+        return None if all(value is None for value in given) else cls(*given)
+
+    def aux_tensors(self) -> tuple:
+        return tuple(self.aux) if isinstance(self.aux, (tuple, list)) else () if self.aux is None else (self.aux,)
+
+    def check(self, q, problem, mod_tensors, training: bool):
+        """(problem, mod_tensors) with the caller's functions and tensors, checked."""
+        if problem.packing is not None:
+            raise ValueError("score_mod, mask_mod and block_mask are not supported with a packed batch yet")
+        mask = check_block_mask(
+            self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
+            problem.seqlen_k,
+        )  # fmt: skip
+        functions = programmable.memo_user_functions(
+            self.score_mod, self.score_mod_grad, self.aux_grad, None if mask is None else mask.mask_mod
+        )
+        aux = programmable.check_aux(self.aux, q, "aux")
+        if aux and self.score_mod is None:
+            raise ValueError("aux is given without score_mod (mask_mod reads mask_aux)")
+        if training and self.score_mod is not None and self.score_mod_grad is None:
+            raise ValueError(
+                "score_mod_grad is needed for the backward of score_mod: the gradient of score_mod's output "
+                "with respect to its input score (e.g. `lambda grad, score, b, h, q_idx, kv_idx, aux: grad` "
+                "for an additive score_mod)"
+            )
+        if training and self.aux_grad is None and any(t.requires_grad for t in aux):
+            raise ValueError("an aux tensor requires grad but no aux_grad is given to compute its gradient")
+        mods = dataclasses.replace(problem.mods, user=functions)
+        problem = dataclasses.replace(problem, mods=mods)
+        return problem, dataclasses.replace(mod_tensors, aux=aux, block_mask=mask)
+
+
+def _programmed_check(q, k, v, scaling, is_causal, mods: _Mods, programs: _Programs, training: bool):
+    problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
+    return programs.check(q, problem, mod_tensors, training)
+
+
+@torch.compiler.disable
+def _programmed_forward(q, k, v, scaling, is_causal, mods: _Mods, programs: _Programs, with_lse: bool):
+    """The inference forward with the caller's functions. torch.compile runs it eagerly (a graph
+    break): the functions cannot pass through an operator's schema."""
+    problem, mod_tensors = _programmed_check(q, k, v, scaling, is_causal, mods, programs, training=False)
+    return launch.forward(q, k, v, problem, with_lse=with_lse, mod_tensors=mod_tensors)
+
+
+@torch.compiler.disable
+def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: _Programs):
+    """(out, lse) through autograd with the caller's functions (see _programmed_forward)."""
+    aux = programs.aux_tensors()
+    needs_grad = _needs_grad(q, k, v, mods.attn_bias, mods.sinks, *aux)
+    problem, mod_tensors = _programmed_check(q, k, v, scaling, is_causal, mods, programs, needs_grad)
+    if needs_grad:
+        bias_grad = mods.attn_bias is not None and mods.attn_bias.requires_grad
+        sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
+        launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad, sinks_grad)
+    return AttentionFunction.apply(q, k, v, mods.attn_bias, mods.sinks, problem, mod_tensors, *mod_tensors.aux)
 
 
 @dataclass(frozen=True)

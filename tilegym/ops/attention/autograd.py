@@ -9,8 +9,9 @@ from tilegym.ops.attention.score_mods import ModTensors
 
 
 class AttentionFunction(torch.autograd.Function):
-    """(out, lse), differentiable in q, k, v, attn_bias and sinks through both outputs. Saves q,
-    k, v, out and the LSE; the backward recomputes the probabilities from them.
+    """(out, lse), differentiable in q, k, v, attn_bias, sinks and the caller's aux tensors (with
+    its aux_grad) through both outputs. Saves q, k, v, out and the LSE; the backward recomputes
+    the probabilities from them.
 
     attn_bias and sinks are inputs so that they can receive a gradient; the kernels read
     mod_tensors, their normalized views, and the ALiBi slopes from there (no gradient).
@@ -19,12 +20,13 @@ class AttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, sinks, problem: AttentionProblem, mod_tensors: ModTensors):
+    def forward(ctx, q, k, v, attn_bias, sinks, problem: AttentionProblem, mod_tensors: ModTensors, *aux):
         out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         ctx.mod_tensors = mod_tensors
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.aux_dtypes = [t.dtype for t in aux]
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return out, lse
 
@@ -38,7 +40,14 @@ class AttentionFunction(torch.autograd.Function):
             bias_grad=ctx.needs_input_grad[3], d_lse=d_lse, sinks_grad=ctx.needs_input_grad[4],
         )  # fmt: skip
         d_sinks = None if grads.d_sinks is None else grads.d_sinks.to(ctx.sinks_dtype)
-        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None
+        d_aux = [None] * len(ctx.aux_dtypes)
+        if grads.d_aux is not None:
+            wanted = ctx.needs_input_grad[7:]
+            d_aux = [
+                d.to(dtype) if want else None
+                for d, dtype, want in zip(grads.d_aux, ctx.aux_dtypes, wanted, strict=True)
+            ]
+        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None, *d_aux
 
 
 class PackedAttentionFunction(torch.autograd.Function):

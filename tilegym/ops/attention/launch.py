@@ -12,8 +12,16 @@ from types import MappingProxyType
 import torch
 
 from tilegym import autotune, index_width
-from tilegym.launching import NamedArguments, TunedLauncher, addressable, split_arguments
-from tilegym.ops.attention import configs, dispatch, packing, score_mods
+from tilegym.launching import (
+    NamedArguments,
+    TunedLauncher,
+    addressable,
+    current_stream_handle,
+    parameter_names,
+    split_arguments,
+)
+from tilegym.ops.attention import configs, dispatch, packing, programmable, score_mods
+from tilegym.ops.attention.block_mask import BlockMask, MaskRule
 from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
 from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, ModTensors, ScoreMods
@@ -55,9 +63,11 @@ def _shape_key(problem: AttentionProblem, arch: str) -> str:
 class _Launcher(TunedLauncher):
     """Launches the variants of one attention problem with the configs chosen for its shape."""
 
-    def __init__(self, problem: AttentionProblem, device: torch.device):
+    def __init__(self, problem: AttentionProblem, device: torch.device, block_mask: BlockMask | None = None):
         super().__init__(device, lambda arch: _shape_key(problem, arch))
         self.problem = problem
+        self.block_mask = block_mask
+        self.device = device
 
     def candidates(self, kernel_name: str):
         forced = autotune.forced_candidates(kernel_name)
@@ -71,12 +81,18 @@ class _Launcher(TunedLauncher):
         """The launch of a variant: values names every kernel argument but the variant's pinned
         switches and the config's tile sizes; the grid follows the variant's tiles and heads."""
         variant = VARIANTS[name]
-        kernel = index_width.wide(variant.kernel) if self.problem.wide_index else variant.kernel
         problem = self.problem
+        kernel = variant.kernel
+        takes_user = "block_sparse" in parameter_names(kernel)
+        if takes_user:
+            kernel = programmable.user_kernel(kernel, problem.mods.user)
+        kernel = index_width.wide(kernel) if problem.wide_index else kernel
         seqlen = problem.seqlen_q if variant.tiles == "query" else problem.seqlen_k
         heads = problem.q_heads if variant.heads == "query" else problem.kv_heads
         block = "block_m" if variant.tiles == "query" else "block_n"
-        named = NamedArguments(kernel, {**values, **variant.fixed}, late=("block_m", "block_n"))
+        late = ("block_m", "block_n", "MaskCounts", "MaskTiles") if takes_user else ("block_m", "block_n")
+        named = NamedArguments(kernel, {**values, **variant.fixed}, late=late)
+        mask = self.block_mask
 
         tiles = packing.tiles if problem.packing else lambda length, size: math.ceil(length / size)
 
@@ -84,7 +100,10 @@ class _Launcher(TunedLauncher):
             return (tiles(seqlen, getattr(config, block)), heads, problem.batch)
 
         def arguments(config):
-            return named(block_m=config.block_m, block_n=config.block_n)
+            if not takes_user:
+                return named(block_m=config.block_m, block_n=config.block_n)
+            lists = _tile_list_arguments(problem, mask, config, variant.tiles == "key", self.device)
+            return named(block_m=config.block_m, block_n=config.block_n, **lists)
 
         return autotune.TunedKernel(name, kernel, grid, arguments, before_each)
 
@@ -112,19 +131,16 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
     """The score modifiers' kernel arguments by name: tensors, runtime values, compile-time switches."""
     mods = problem.mods
     cap = mods.softcap or 1.0
-    # Unbounded window sides become a reach past either end of the sequences.
-    reach = problem.seqlen_q + problem.seqlen_k
-    left, right = (reach if side < 0 else side for side in (mods.window or (-1, -1)))
+    rule = mask_rule(problem)
     block_d, block_d_tail = configs.head_dim_tiles(problem.head_dim)
     return {
         "Bias": placeholder if tensors.bias is None else tensors.bias,
         "Slopes": _or_unused(tensors.slopes, placeholder.device, 2),
         **split_arguments(softcap_in=problem.softmax_scale / cap, softcap=cap),
-        "window_left": left,
-        "window_right": right,
-        # A window carries its own right side: the kernels' causal mask stays off under one.
-        "causal": problem.causal and mods.window is None,
-        "windowed": mods.window is not None,
+        "window_left": rule.window_left,
+        "window_right": rule.window_right,
+        "causal": rule.causal,
+        "windowed": rule.windowed,
         "capped": bool(mods.softcap),
         "bias_mode": mods.bias_mode,
         "alibi": mods.alibi,
@@ -133,6 +149,57 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
         "block_d_tail": block_d_tail,
         "block_dv": configs.head_dim_tile(problem.value_dim),
     }
+
+
+def _tile_list_arguments(problem: AttentionProblem, mask: BlockMask | None, config, key_major: bool, device) -> dict:
+    """A block mask's lists for a launch with this config (placeholders without a mask)."""
+    if mask is None:
+        return {"MaskCounts": _unused(device, 4, torch.int32), "MaskTiles": _unused(device, 5, torch.int32)}
+    lists = mask.tile_lists(config.block_m, config.block_n, mask_rule(problem), key_major)
+    return {"MaskCounts": lists.counts, "MaskTiles": lists.tiles}
+
+
+def mask_rule(problem: AttentionProblem) -> MaskRule:
+    """The causal switch and window sides the kernels take (unbounded sides reach past either end
+    of the sequences), which a block mask's tile lists depend on too."""
+    mods = problem.mods
+    reach = problem.seqlen_q + problem.seqlen_k
+    left, right = (reach if side < 0 else side for side in (mods.window or (-1, -1)))
+    # A window carries its own right side: the kernels' causal mask stays off under one.
+    return MaskRule(problem.causal and mods.window is None, mods.window is not None, left, right)
+
+
+def _user_arguments(problem: AttentionProblem, tensors: ModTensors, device) -> dict:
+    """The caller's tensors for its functions (programmable.py), placeholders in unused slots."""
+    mask_aux = () if tensors.block_mask is None else tensors.block_mask.mask_aux
+    values = {"block_sparse": tensors.block_mask is not None}
+    for prefix, given in (("Aux", tensors.aux), ("MaskAux", mask_aux)):
+        for slot in range(programmable.AUX_SLOTS):
+            values[f"{prefix}{slot}"] = given[slot] if slot < len(given) else _unused(device, 1)
+    return values
+
+
+def classify_tiles(mask: BlockMask, block_m: int, block_n: int, rule: MaskRule) -> torch.Tensor:
+    """The kinds of a block mask's tiles at one tiling (kernels/block_mask.py), int8 [B, H,
+    query tiles, key tiles]."""
+    import cuda.tile as ct
+
+    from tilegym.ops.attention.kernels.block_mask import block_mask_kernel
+
+    rows, cols = math.ceil(mask.seqlen_q / block_m), math.ceil(mask.seqlen_k / block_n)
+    kinds = torch.zeros((mask.batch, mask.heads, rows, cols), dtype=torch.int8, device=mask.device)
+    if kinds.numel() == 0:
+        return kinds
+    kernel = programmable.user_kernel(block_mask_kernel, mask.functions)
+    aux = [mask.mask_aux[slot] if slot < len(mask.mask_aux) else _unused(mask.device, 1)
+           for slot in range(programmable.AUX_SLOTS)]  # fmt: skip
+    arguments = (
+        kinds, *aux, mask.seqlen_q, mask.seqlen_k, rule.window_left, rule.window_right, block_m, block_n,
+        rule.causal, rule.windowed,
+    )  # fmt: skip
+    with programmable.naming_errors(mask.functions):
+        ct.launch(current_stream_handle(mask.device.index), (rows, cols, mask.batch * mask.heads), kernel, arguments)
+    return kinds
 
 
 @cache
@@ -186,7 +253,7 @@ def forward(
         return out, lse
 
     q, softmax_scale = _positive_scale(q, problem)
-    launcher = _Launcher(problem, device)
+    launcher = _Launcher(problem, device, mod_tensors.block_mask)
     fixed_max = dispatch.fixed_max_forward(problem, launcher.candidates)
     if with_lse:
         name = FORWARD_LSE_FIXED_MAX if fixed_max else FORWARD_LSE
@@ -204,7 +271,10 @@ def forward(
         **_modifier_arguments(problem, mod_tensors, q),
         **_packing_arguments(problem, cu_seqlens, device),
     }
-    launcher.launch(launcher.tuned(name, values))
+    if "block_sparse" in parameter_names(VARIANTS[name].kernel):
+        values.update(_user_arguments(problem, mod_tensors, device))
+    with programmable.naming_errors(problem.mods.user):
+        launcher.launch(launcher.tuned(name, values))
     return out, lse
 
 
@@ -243,6 +313,7 @@ class Gradients:
     dv: torch.Tensor
     d_bias: torch.Tensor | None = None
     d_sinks: torch.Tensor | None = None
+    d_aux: tuple | None = None  # fp32 (fp64) sums for each aux tensor, with the caller's aux_grad
 
 
 def backward(
@@ -277,19 +348,32 @@ def backward(
                 gradient.zero_()
         d_sinks = _sinks_grad_without_keys(problem, mod_tensors, d_lse) if sinks_grad else None
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
-    launcher = _Launcher(problem, q.device)
+    launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
+    d_aux = _aux_gradients(problem, mod_tensors)
     steps, targets = _backward_steps(
-        launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens
+        launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
     )
     # Everything is prepared before the first launch: host work between launches would leave
     # the GPU idle after a short one.
-    for step in steps:
-        launcher.launch(step)
+    with programmable.naming_errors(problem.mods.user):
+        for step in steps:
+            launcher.launch(step)
     if targets.dq is not dq:  # the fused backward summed into fp32 targets
         targets.copy_to(dq, dk, dv, problem)
     d_sinks = row_grads.d_sinks_partial.sum(dim=(0, 2)) if sinks_grad else None
-    return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
+    return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks, d_aux)
+
+
+def _aux_gradients(problem: AttentionProblem, mod_tensors: ModTensors) -> tuple | None:
+    """Where the caller's aux_grad adds each aux tensor's gradient: fp32 (fp64 for fp64 inputs)
+    tensors of their shapes, zeroed right before the launch that counts (tuning runs add too);
+    None without an aux_grad."""
+    user = problem.mods.user
+    if user is None or user.aux_grad is None:
+        return None
+    dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+    return tuple(torch.empty(t.shape, dtype=dtype, device=t.device) for t in mod_tensors.aux)
 
 
 def _sinks_grad_without_keys(problem: AttentionProblem, mod_tensors: ModTensors, d_lse) -> torch.Tensor:
@@ -361,7 +445,7 @@ def compile_backward_ahead(
     _compiled_ahead[key] = None
     if len(_compiled_ahead) > _COMPILED_AHEAD_MAX:
         _compiled_ahead.popitem(last=False)
-    launcher = _Launcher(problem, q.device)
+    launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
     try:
         out = output(q, problem)
         lse = row_stat(problem, q.device)
@@ -407,7 +491,21 @@ def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensor
 
 
 def _backward_steps(
-    launcher: _Launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens=None
+    launcher: _Launcher,
+    d_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dq,
+    dk,
+    dv,
+    d_bias,
+    mod_tensors,
+    row_grads,
+    cu_seqlens=None,
+    d_aux=None,
 ):
     """The backward's launches, in order, and where they write dQ, dK and dV."""
     problem = launcher.problem
@@ -438,6 +536,7 @@ def _backward_steps(
         **split_arguments(softmax_scale=problem.softmax_scale, qk_scale_log2=problem.softmax_scale * LOG2E),
         **_modifier_arguments(problem, mod_tensors, q),
         **_packing_arguments(problem, cu_seqlens, device),
+        **_user_arguments(problem, mod_tensors, device),
     }
     dkdv_values = {
         **shared,
@@ -446,7 +545,9 @@ def _backward_steps(
         "DQSum": targets.dq if fused else q,  # an unused placeholder without fusion
         "DBias": q if d_bias is None else d_bias,
         "bias_grad": BIAS_NONE if d_bias is None else problem.mods.bias_mode,
-    }
+        **{f"AuxGrad{slot}": d_aux[slot] if d_aux and slot < len(d_aux) else _unused(device, 1)
+           for slot in range(programmable.AUX_SLOTS)},
+    }  # fmt: skip
     if fused:
         # Every dK/dV program needs the row statistics of every query tile: a kernel of their own.
         preprocess = launcher.tuned(
@@ -459,7 +560,8 @@ def _backward_steps(
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
     dq_values = {**shared, "Out": out, "Lse": lse, "dQ": targets.dq, **lse_grad, **sinks_grad}
     dq_step = launcher.tuned(BACKWARD_DQ, dq_values, row_grads.reset)
-    return (dq_step, launcher.tuned(BACKWARD_DKDV, dkdv_values)), targets
+    reset_aux = (lambda: [d.zero_() for d in d_aux]) if d_aux else None
+    return (dq_step, launcher.tuned(BACKWARD_DKDV, dkdv_values, reset_aux)), targets
 
 
 @dataclass(frozen=True)

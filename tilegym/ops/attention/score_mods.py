@@ -42,18 +42,24 @@ class ScoreMods:
     softcap: float = 0.0  # 0: off
     alibi: bool = False
     sinks: bool = False
+    # The caller's score and mask functions (programmable.UserFunctions), None without any. Not
+    # imported here: the kernels import this module, and the kernel cache keys them by the
+    # source of every module they import.
+    user: object = None
 
     @property
     def plain_scores(self) -> bool:
         """No modifier but sinks: the scores and masks of plain attention, so the plain kernels'
         configs, the fixed-max forward and the fused backward apply (sinks touch only each
         row's epilogue and statistics)."""
-        return self.bias_mode == BIAS_NONE and self.window is None and not self.softcap and not self.alibi
+        builtin = self.bias_mode == BIAS_NONE and self.window is None and not self.softcap and not self.alibi
+        return builtin and self.user is None
 
     @property
     def changes_scores(self) -> bool:
         """Some modifier changes score values (a window only hides some of them)."""
-        return self.bias_mode != BIAS_NONE or bool(self.softcap) or self.alibi
+        scored = self.user is not None and self.user.score_mod is not None
+        return self.bias_mode != BIAS_NONE or bool(self.softcap) or self.alibi or scored
 
     def key(self) -> str:
         """Suffix of the tuning key: empty for plain attention."""
@@ -68,7 +74,7 @@ class ScoreMods:
             parts.append("alibi")
         if self.sinks:
             parts.append("sinks")
-        return "".join(f"|{part}" for part in parts)
+        return "".join(f"|{part}" for part in parts) + ("" if self.user is None else self.user.key())
 
 
 PLAIN = ScoreMods()
@@ -81,6 +87,8 @@ class ModTensors:
     bias: torch.Tensor | None = None  # [1 or B, 1 or Hq, 1 or Sq, Sk], unit stride along keys
     slopes: torch.Tensor | None = None  # float32 [1 or B, Hq], contiguous
     sinks: torch.Tensor | None = None  # float32 (float64 for float64 inputs) [Hq], contiguous
+    aux: tuple = ()  # the caller's tensors for score_mod (programmable.py), as given
+    block_mask: object = None  # the caller's mask (block_mask.BlockMask), or None
 
 
 NO_TENSORS = ModTensors()

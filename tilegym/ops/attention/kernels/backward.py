@@ -17,7 +17,7 @@ from tilegym.ops.attention.kernels.head import (
     load_head,
     store_head,
 )
-from tilegym.ops.attention.kernels.modifiers import head_mods, pre_cap_gradient, scores, softcap_values
+from tilegym.ops.attention.kernels.modifiers import head_mods, raw_gradient, scores, softcap_values
 from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
@@ -30,6 +30,7 @@ from tilegym.ops.attention.kernels.tiles import (
     accumulator_dtype,
     add_rows,
     exp2,
+    load_lse_padded_inf,
     load_row_stat,
     load_rows,
     log2e,
@@ -37,6 +38,18 @@ from tilegym.ops.attention.kernels.tiles import (
     seqlens,
     store_row_stat,
     store_rows,
+)
+from tilegym.ops.attention.kernels.user import (
+    AUX_GRAD,
+    MASK_MOD,
+    SCORE_MOD,
+    SCORE_MOD_GRAD,
+    over_listed_tiles,
+    score_modified,
+    tile_lists,
+    user_args,
+    user_args_with_grads,
+    user_functions,
 )
 from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW
 
@@ -118,7 +131,10 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     acc_dtype = accumulator_dtype(k.main.dtype)
     q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling)  # [block_m, D]
     d_out = load_rows(tile.dOut, b, q_head, q_tile, block_m, block_dv)  # [block_m, block_dv]
-    lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+    if score_modified(scoring.switches):
+        lse = load_lse_padded_inf(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+    else:
+        lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]
     delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
 
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
@@ -127,7 +143,9 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         if _holds_dq_share(block_d):
             # The previous step's share, summed while this step's matmuls run.
             add_head(tile.DQSum, b, q_head, state.pending_tile, pending_dq, block_m, tiling)
-    scores_t, capped_tanh_t = scores(raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.main.dtype, scoring, True)
+    scores_t, capped_tanh_t, natural_t = scores(
+        raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.main.dtype, scoring, True
+    )
     if block_d > 64 and not tile.sum_dq:
         # The D=128 dK/dV kernel runs two CTAs per SM, where the flushed exp2's schedule spills
         # and gained nothing (perf-notes#leaner-softmax-exp2); the fused kernel, at one CTA per SM,
@@ -149,7 +167,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         ct.store(tile.DBias, index=(b, q_head, q_tile, tile.kv_tile), tile=d_bias)
     elif tile.bias_grad == BIAS_ONE_ROW:
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)  # [block_n, 1]
-    d_scores_t = pre_cap_gradient(d_scores_t, capped_tanh_t, scoring.switches.capped).astype(q.main.dtype)
+    d_scores_t = raw_gradient(d_scores_t, capped_tanh_t, natural_t, rows, tile.cols, scoring).astype(q.main.dtype)
     if reload_q:
         # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
         # stays busy until dK, so the next step's Q could only be loaded while this step
@@ -222,6 +240,21 @@ def attention_backward_dkdv_kernel(
     max_seqlen_q: int,
     max_seqlen_k: int,
     varlen: ConstBool,
+    Aux0,
+    Aux1,
+    Aux2,
+    Aux3,
+    MaskAux0,
+    MaskAux1,
+    MaskAux2,
+    MaskAux3,
+    MaskCounts,
+    MaskTiles,
+    block_sparse: ConstBool,
+    AuxGrad0,
+    AuxGrad1,
+    AuxGrad2,
+    AuxGrad3,
 ):
     """dK and dV (and dBias, with bias_grad) of one key tile of one KV head.
 
@@ -238,6 +271,9 @@ def attention_backward_dkdv_kernel(
     by side instead of one after another in one program, which balances the GPU's load when
     few KV heads make few programs.
     varlen: a packed batch (packed.py; never with sum_dq, whose padded sums are per batch entry).
+    The caller's functions (user.py) read Aux* and MaskAux*, and aux_grad adds into AuxGrad*
+    (zeroed fp32 buffers; only this kernel calls it). block_sparse: the query tiles come from a
+    block mask's lists (MaskCounts, MaskTiles: one row per key tile).
     """
     if causal and sum_dq:
         # Causal key tiles near the start of the sequence are seen by the most query tiles.
@@ -271,7 +307,9 @@ def attention_backward_dkdv_kernel(
     qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     softmax_scale = scale(softmax_scale, softmax_scale_lo, acc_dtype)
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
-    switches = Switches(windowed, capped, bias_mode, alibi)
+    switches = Switches(
+        windowed, capped, bias_mode, alibi, user_functions(SCORE_MOD, SCORE_MOD_GRAD, AUX_GRAD, MASK_MOD)
+    )
     tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
 
     # Bulk copies also for a packed batch, whose dK/dV programs are long (packed.bulk_once).
@@ -287,7 +325,11 @@ def attention_backward_dkdv_kernel(
         mods = head_mods(
             Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi
         )
-        scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal)
+        user = user_args_with_grads(
+            seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3,
+            (AuxGrad0, AuxGrad1, AuxGrad2, AuxGrad3),
+        )  # fmt: skip
+        scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
         # A held dQ share starts as zeros "for" query tile 0, which always exists: the first
         # step adds them there, so no step needs a branch (one spare reduction per head).
         pending_dq = head_zeros(block_m, tiling, acc_dtype) if holds_dq else ct.zeros((1, 1), acc_dtype)
@@ -296,7 +338,11 @@ def attention_backward_dkdv_kernel(
             k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols, scoring,
             bias_grad, sum_dq,
         )  # fmt: skip
-        state = over_segments(_dkdv_loop, query_segments(kv_tile, scoring), state, tile)
+        if block_sparse:
+            lists = tile_lists(MaskCounts, MaskTiles, seq, q_head)
+            state = over_listed_tiles(_dkdv_step, lists, kv_tile, state, tile)
+        else:
+            state = over_segments(_dkdv_loop, query_segments(kv_tile, scoring), state, tile)
         d_key, d_value = state.d_key, state.d_value
         if holds_dq:
             add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, tiling)
@@ -322,12 +368,14 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
     raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling)
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
-    step_scores, capped_tanh = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
+    step_scores, capped_tanh, natural = scores(
+        raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False
+    )
     probs = exp2(step_scores - tile.lse)
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
     d_probs = ct.mma(tile.d_out, ct.transpose(v), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
-    d_scores = pre_cap_gradient(probs * (d_probs - tile.delta), capped_tanh, scoring.switches.capped)
+    d_scores = raw_gradient(probs * (d_probs - tile.delta), capped_tanh, natural, tile.rows, cols, scoring)
     return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling)
 
 
@@ -383,13 +431,25 @@ def attention_backward_dq_kernel(
     max_seqlen_q: int,
     max_seqlen_k: int,
     varlen: ConstBool,
+    Aux0,
+    Aux1,
+    Aux2,
+    Aux3,
+    MaskAux0,
+    MaskAux1,
+    MaskAux2,
+    MaskAux3,
+    MaskCounts,
+    MaskTiles,
+    block_sparse: ConstBool,
 ):
     """dQ of one query tile, looping over the key tiles it sees; first the tile's row statistics
     (_row_stats), which the dK/dV kernel launched after it reads: no preprocess kernel, and Out
     costs a load of one tile per program instead of a pass of its own over Out and dOut.
     lse_grad: DLse, the LSE's gradient, folds into Delta. sinks_grad: the tile's share of the
     sinks' gradient goes to DSinks [B, Hq, query tiles]. Unused arrays are placeholders.
-    varlen: a packed batch (packed.py); grid axis 2 counts its sequences, DSinks' axis 0 too."""
+    varlen: a packed batch (packed.py); grid axis 2 counts its sequences, DSinks' axis 0 too.
+    The caller's functions and block_sparse: as the forward kernel."""
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes and DSinks' row
     if varlen:
@@ -407,12 +467,14 @@ def attention_backward_dq_kernel(
     acc_dtype = accumulator_dtype(Q.dtype)
     qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
     softmax_scale = scale(softmax_scale, softmax_scale_lo, acc_dtype)
-    switches = Switches(windowed, capped, bias_mode, alibi)
+    switches = Switches(
+        windowed, capped, bias_mode, alibi, user_functions(SCORE_MOD, SCORE_MOD_GRAD, AUX_GRAD, MASK_MOD)
+    )
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
-    scoring = Scoring(
-        qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
-    )
+    user = user_args(seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
+    tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
 
     # A packed batch's program loads these and stores dQ once: no bulk copies (tiles.load_tile).
     bulk = bulk_once(varlen, scoring.tiling)
@@ -426,6 +488,9 @@ def attention_backward_dq_kernel(
     d_query = head_zeros(block_m, scoring.tiling, acc_dtype)
 
     tile = DqTile(q, d_out, stats.lse_base2[:, None], stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
-    d_query = over_segments(_dq_loop, key_segments(q_tile, scoring), d_query, tile)
+    if block_sparse:
+        d_query = over_listed_tiles(_dq_step, tile_lists(MaskCounts, MaskTiles, seq, q_head), q_tile, d_query, tile)
+    else:
+        d_query = over_segments(_dq_loop, key_segments(q_tile, scoring), d_query, tile)
     d_query = head_scaled(d_query, softmax_scale, scoring.tiling)
     store_head(dQ, b, q_head, q_tile, d_query, block_m, scoring.tiling, bulk)

@@ -29,6 +29,16 @@ from tilegym.ops.attention.kernels.tiles import (
     store_row_stat,
     store_rows,
 )
+from tilegym.ops.attention.kernels.user import (
+    AUX_GRAD,
+    MASK_MOD,
+    SCORE_MOD,
+    SCORE_MOD_GRAD,
+    over_listed_tiles,
+    tile_lists,
+    user_args,
+    user_functions,
+)
 from tilegym.ops.attention.score_mods import BIAS_NONE
 
 
@@ -45,13 +55,13 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
     if raw_units:
         step_scores = raw
     else:
-        step_scores, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
+        step_scores, _, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
     if masked:
         step_scores = ct.where(visible(tile.rows, cols, scoring), step_scores, NEG_INF)
     row_max = state.row_max
     new_max = ct.maximum(row_max, ct.max(step_scores, axis=1, keepdims=True))
-    if masked or scoring.switches.bias_mode != BIAS_NONE:
-        # A row that has seen no key yet (or only -inf biases) keeps max -inf; subtract 0
+    if masked or scoring.switches.bias_mode != BIAS_NONE or scoring.switches.user.score_mod is not None:
+        # A row that has seen no key yet (or only -inf scores) keeps max -inf; subtract 0
         # instead to avoid inf - inf.
         new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
     else:
@@ -212,6 +222,17 @@ def attention_forward_kernel(
     max_seqlen_q: int,
     max_seqlen_k: int,
     varlen: ConstBool,
+    Aux0,
+    Aux1,
+    Aux2,
+    Aux3,
+    MaskAux0,
+    MaskAux1,
+    MaskAux2,
+    MaskAux3,
+    MaskCounts,
+    MaskTiles,
+    block_sparse: ConstBool,
 ):
     """One query tile of out = softmax(scores) v; with write_lse also lse = log(sum_j
     exp(score_ij)) (natural log), the backward's statistic. Without it, Lse is not touched (a
@@ -220,6 +241,8 @@ def attention_forward_kernel(
     Layout: q [B, Hq, Sq, D]; k [B, Hkv, Sk, D]; v [B, Hkv, Sk, Dv]; out [B, Hq, Sq, Dv]; lse
     [B, Hq, Sq]; sinks [Hq]. block_d (and block_d_tail, head.py) tiles D, block_dv tiles Dv.
     varlen: a packed batch (packed.py); grid axis 2 counts its sequences.
+    The caller's functions (user.py) read Aux* and MaskAux*; block_sparse: the key tiles come
+    from a block mask's lists (MaskCounts, MaskTiles) instead of the causal or window ranges.
     """
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes
@@ -235,12 +258,14 @@ def attention_forward_kernel(
     lengths = seqlens(Q, K)
     acc_dtype = accumulator_dtype(Q.dtype)
     qk_scale_log2 = scale(qk_scale_log2, qk_scale_log2_lo, acc_dtype)
-    switches = Switches(windowed, capped, bias_mode, alibi)
+    switches = Switches(
+        windowed, capped, bias_mode, alibi, user_functions(SCORE_MOD, SCORE_MOD_GRAD, AUX_GRAD, MASK_MOD)
+    )
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
-    scoring = Scoring(
-        qk_scale_log2, lengths, mods, switches, Tiling(block_m, block_n, block_d, block_dv, block_d_tail), causal
-    )
+    user = user_args(seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
+    tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
 
     # A packed batch's program loads its query tile and stores its output once: no bulk copies.
     bulk = bulk_once(varlen, scoring.tiling)
@@ -252,7 +277,10 @@ def attention_forward_kernel(
         ct.zeros((block_m, block_dv), acc_dtype),
     )
     tile = ForwardTile(q, K, V, b, kv_head, q_tile, rows, scoring)
-    state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
+    if block_sparse:
+        state = over_listed_tiles(_forward_step, tile_lists(MaskCounts, MaskTiles, seq, q_head), q_tile, state, tile)
+    else:
+        state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
 
     if with_sinks:
         state = _with_sink(state, Sinks, q_head, keeps_raw_scores(switches), qk_scale_log2)

@@ -7,6 +7,7 @@ import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import HeadMods
 from tilegym.ops.attention.kernels.tiles import ZERO_PAD, ConstBool, ConstInt, log2e, scale
+from tilegym.ops.attention.kernels.user import user_score_gradient, user_scored
 from tilegym.ops.attention.score_mods import BIAS_NONE, BIAS_ONE_ROW
 
 
@@ -38,7 +39,8 @@ def keeps_raw_scores(switches):
     True for plain attention (masks aside), whose launcher makes the scale positive, so the
     largest product is the largest score.
     """
-    return not switches.capped and switches.bias_mode == BIAS_NONE and not switches.alibi
+    plain = not switches.capped and switches.bias_mode == BIAS_NONE and not switches.alibi
+    return plain and switches.user.score_mod is None
 
 
 @ct.function
@@ -60,11 +62,13 @@ def _bias_tile(mods, q_tile, kv_tile, block_m: ConstInt, block_n: ConstInt, bias
 
 @ct.function
 def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: ConstBool):
-    """(base-2 scores, tanh of the softcap) of raw products q.k, with the switched-on modifiers.
+    """(base-2 scores, tanh of the softcap, the natural-unit input of the caller's score_mod) of
+    raw products q.k, with the switched-on modifiers; the last two are 0 where unused.
 
     raw is [block_m, block_n], or [block_n, block_m] when transposed (the dK/dV kernel).
     In natural units: s = scale * q.k, then s = softcap * tanh(s / softcap), then
-    s += bias - slope * |i + Sk - Sq - j|. Plain attention is one multiply.
+    s += bias - slope * |i + Sk - Sq - j|, then s = score_mod(s, ...). Plain attention is one
+    multiply.
     """
     mods, switches = scoring.mods, scoring.switches
     if switches.capped:
@@ -84,12 +88,23 @@ def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: C
     if switches.alibi:
         distance = ct.abs(rows + (scoring.seqlens.k - scoring.seqlens.q) - cols).astype(raw.dtype)
         result = result - mods.slope_log2 * distance
-    return result, capped_tanh
+    result, natural = user_scored(result, rows, cols, switches, scoring.user)
+    return result, capped_tanh, natural
 
 
 @ct.function
 def pre_cap_gradient(d_scores, capped_tanh, capped: ConstBool):
-    """The gradient with respect to scale * q.k from the gradient with respect to the scores."""
+    """The gradient with respect to scale * q.k from the gradient with respect to the softcap's
+    output."""
     if capped:
         return d_scores * (1.0 - capped_tanh * capped_tanh)
     return d_scores
+
+
+@ct.function
+def raw_gradient(d_scores, capped_tanh, natural, rows, cols, scoring):
+    """The gradient with respect to scale * q.k from that with respect to the final scores
+    (d_scores, natural units): back through the caller's score_mod, then the softcap (bias and
+    ALiBi add, which passes the gradient unchanged)."""
+    d_scores = user_score_gradient(d_scores, natural, rows, cols, scoring)
+    return pre_cap_gradient(d_scores, capped_tanh, scoring.switches.capped)

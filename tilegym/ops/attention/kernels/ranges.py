@@ -9,6 +9,7 @@ import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import Segments
 from tilegym.ops.attention.kernels.tiles import ConstBool, ConstInt
+from tilegym.ops.attention.kernels.user import user_visible
 
 
 @ct.function
@@ -130,12 +131,12 @@ def visible(rows, cols, scoring):
         mods = scoring.mods
         offset = cols - rows - (seqlens.k - seqlens.q)
         inside = inside & (offset >= -mods.window_left) & (offset <= mods.window_right)
-    return inside
+    return user_visible(inside, rows, cols, scoring.switches, scoring.user)
 
 
 @ct.function
 def key_columns(kv_tile, block_n: ConstInt, masked: ConstBool, switches):
-    """[1, block_n] key indices of a tile, when the mask or ALiBi needs them."""
-    if masked or switches.alibi:
+    """[1, block_n] key indices of a tile, when the mask, ALiBi or a score function needs them."""
+    if masked or switches.alibi or switches.user.score_mod is not None:
         return kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
     return 0

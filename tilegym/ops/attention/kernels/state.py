@@ -44,6 +44,45 @@ class Switches:
     capped: Value
     bias_mode: Value  # BIAS_NONE, BIAS_ONE_ROW or BIAS_PER_ROW
     alibi: Value
+    user: Value  # UserFunctions: the caller's score and mask functions, each None when not given
+
+
+@dataclass(frozen=True)
+class UserFunctions:
+    """The caller's functions (user.py), compile-time constants: a kernel built with them is a
+    copy of the module's kernel whose globals name them (tilegym/ops/attention/programmable.py).
+    None where not given."""
+
+    score_mod: Value  # (score, b, h, q_idx, kv_idx, aux) -> score
+    score_mod_grad: Value  # (grad, score, b, h, q_idx, kv_idx, aux) -> grad of score_mod's input
+    aux_grad: Value  # (grad, score, b, h, q_idx, kv_idx, aux, aux_grads): adds into aux_grads
+    mask_mod: Value  # (b, h, q_idx, kv_idx, mask_aux) -> bool
+
+
+@dataclass(frozen=True)
+class UserArgs:
+    """What the caller's functions are given besides tiles: the batch entry (the sequence of a
+    packed batch) and query head, and the caller's tensors."""
+
+    b: Value
+    h: Value
+    aux: Value  # tuple of AUX_SLOTS arrays
+    mask_aux: Value  # tuple of AUX_SLOTS arrays
+    aux_grads: Value  # tuple of AUX_SLOTS fp32 arrays (the dK/dV kernel), else ()
+    sums_aux_grads: Value  # compile-time: this kernel calls aux_grad (only one kernel may)
+
+
+@dataclass(frozen=True)
+class TileLists:
+    """A block mask's tiles for one tiling (block_mask.py): for each row of tiles (a query tile,
+    or a key tile in the dK/dV kernel), how many tiles are partly visible and fully visible, and
+    which; every other tile is skipped. Rows are indexed at the mask's batch and head, which
+    broadcast (size 1) or match the call's."""
+
+    counts: Value  # [B or 1, H or 1, rows, 2] int32: partial, full
+    tiles: Value  # [B or 1, H or 1, rows, 2, tiles] int32, the partial ones then the full ones
+    b: Value
+    h: Value
 
 
 @dataclass(frozen=True)
@@ -104,6 +143,7 @@ class Scoring:
     switches: Value  # Switches
     tiling: Value  # Tiling
     causal: Value  # compile-time; off under a window, which carries its own right side
+    user: Value  # UserArgs
 
 
 @dataclass(frozen=True)

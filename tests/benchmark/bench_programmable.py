@@ -1,0 +1,220 @@
+"""Score and mask functions for training: forward + backward of each ready-made function
+(tilegym.ops.attention.score_functions) against our built-in switch for the same modifier,
+our plain attention, PyTorch FlexAttention (torch.compile'd, the same functions and inputs)
+and, for the document mask, our packed variable-length path on the same documents.
+
+    python tests/benchmark/bench_programmable.py
+    python tests/benchmark/bench_programmable.py --seqlens 4096 --functions softcap documents
+
+16384 tokens (batch = 16384 / S), 16 heads, D=128, bf16, causal. Each cell is the median time
+of one training step (forward, then backward of a fixed output gradient), in ms. FlexAttention
+runs causal through its block mask (Sq = Sk: its top-left causal is ours). The document mask
+cuts each row into 4 documents at random points (a fixed seed).
+
+Targets: FlexAttention's time / ours >= 1.3 (softcap, ALiBi, relative table, documents); our
+function's time / our switch's <= 1 (noise aside); the packed path's time / the document mask's
+>= 0.9; a function of a few elementwise operations / plain <= 1.1. The last table is Markdown
+for the README.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.benchmark import bench_utils  # noqa: E402
+
+FUNCTIONS = ("softcap", "alibi", "relative", "documents")
+HEADS, HEAD_DIM, TOKENS, CAP, MAX_DISTANCE, DOCUMENTS = 16, 128, 16384, 30.0, 128, 4
+DEFAULT_JSON = Path("bench-out") / "attention_programmable.json"
+
+
+def _document_ids(batch: int, seqlen: int, generator):
+    import torch
+
+    ids = torch.empty((batch, seqlen), dtype=torch.int32)
+    lengths = []
+    for b in range(batch):
+        cuts = sorted((torch.randperm(seqlen - 1, generator=generator)[: DOCUMENTS - 1] + 1).tolist())
+        bounds = [0, *cuts, seqlen]
+        for doc, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            ids[b, start:end] = doc
+            lengths.append(end - start)
+    return ids.cuda(), lengths
+
+
+def providers(function: str, batch: int, seqlen: int, q, k, v):
+    """name -> a training-step callable taking (q, k, v) for one function; plain attention too."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask as flex_block_mask
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from tilegym import create_block_mask, tile_fmha_varlen, tile_fmha_with_backward
+    from tilegym.ops.attention import score_functions as sf
+
+    flex = torch.compile(flex_attention)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    causal_flex = flex_block_mask(causal, None, None, seqlen, seqlen, device="cuda")
+    ours = {}
+    theirs = None
+    if function == "softcap":
+        ours["switch"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, softcap=CAP)
+        capped = sf.softcap(CAP)
+        ours["function"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, **capped)
+
+        def flex_softcap(score, b, h, q_idx, kv_idx):
+            return CAP * torch.tanh(score / CAP)
+
+        theirs = lambda q, k, v: flex(q, k, v, score_mod=flex_softcap, block_mask=causal_flex)  # noqa: E731
+    elif function == "alibi":
+        slopes = torch.exp2(-torch.arange(1, HEADS + 1, device="cuda", dtype=torch.float32) * 8 / HEADS)
+        ours["switch"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, alibi_slopes=slopes)
+        alibi = sf.alibi(slopes, seqlen, seqlen)
+        ours["function"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, **alibi)
+
+        def flex_alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx).abs()
+
+        theirs = lambda q, k, v: flex(q, k, v, score_mod=flex_alibi, block_mask=causal_flex)  # noqa: E731
+    elif function == "relative":
+        table = (torch.randn(HEADS, 2 * MAX_DISTANCE + 1, device="cuda") * 0.1).requires_grad_()
+        relative = sf.relative_position_bias(table, MAX_DISTANCE)
+        ours["function"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, **relative)
+
+        def flex_relative(score, b, h, q_idx, kv_idx):
+            bucket = (kv_idx - q_idx).clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE
+            return score + table[h, bucket]
+
+        theirs = lambda q, k, v: flex(q, k, v, score_mod=flex_relative, block_mask=causal_flex)  # noqa: E731
+    elif function == "documents":
+        generator = torch.Generator().manual_seed(0)
+        ids, lengths = _document_ids(batch, seqlen, generator)
+        docs = sf.document_mask(ids)
+        mask = create_block_mask(docs["mask_mod"], batch, None, seqlen, seqlen, mask_aux=docs["mask_aux"])
+        ours["function"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, block_mask=mask)
+
+        def same_document(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+        documents_flex = flex_block_mask(same_document, batch, None, seqlen, seqlen, device="cuda")
+        theirs = lambda q, k, v: flex(q, k, v, block_mask=documents_flex)  # noqa: E731
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        longest = max(lengths)
+
+        def packed(q, k, v):
+            rows = [t.transpose(1, 2).reshape(batch * seqlen, HEADS, HEAD_DIM) for t in (q, k, v)]
+            return tile_fmha_varlen(*rows, cu, cu, longest, longest)
+
+        ours["packed"] = packed
+    ours["plain"] = lambda q, k, v: tile_fmha_with_backward(q, k, v)
+    return ours, theirs
+
+
+def _step(fn, q, k, v, d_out):
+    def run():
+        out = fn(q, k, v)
+        out.backward(d_out.reshape(out.shape))
+
+    return run
+
+
+def measure(function: str, seqlen: int) -> dict:
+    import torch
+
+    batch = TOKENS // seqlen
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(batch, HEADS, seqlen, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    d_out = torch.randn_like(q)
+    ours, theirs = providers(function, batch, seqlen, q, k, v)
+    times = {}
+    if theirs is not None:
+        try:
+            with torch.no_grad():
+                reference = theirs(q, k, v)
+            check = ours["function"](q, k, v).detach()
+            error = (check.float() - reference.float()).abs().max().item()
+            if error > 5e-2:
+                raise AssertionError(f"{function}: ours and FlexAttention differ by {error:.3e}")
+            times["flex"] = bench_utils.median_ms(_step(theirs, q, k, v, d_out))
+        except (RuntimeError, torch._dynamo.exc.BackendCompilerFailed) as error:  # noqa: SLF001
+            print(f"FlexAttention failed on {function} S={seqlen}: {str(error).splitlines()[0]}", flush=True)
+    for name, fn in ours.items():
+        times[name] = bench_utils.median_ms(_step(fn, q, k, v, d_out))
+    return times
+
+
+def ratios(function: str, times: dict) -> dict:
+    ours = times["function"]
+    result = {}
+    if "flex" in times:
+        result["flex / ours"] = times["flex"] / ours
+    if "switch" in times:
+        result["ours function / switch"] = ours / times["switch"]
+    result["ours function / plain"] = ours / times["plain"]
+    if "packed" in times:
+        result["packed / mask"] = times["packed"] / ours
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| function | S | ours (ms) | built-in switch | plain | FlexAttention | FlexAttention / ours | packed / mask |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in results:
+        t, r = row["times"], row["ratios"]
+
+        def cell(key, source=t, fmt="{:.2f}"):
+            return fmt.format(source[key]) if key in source else "-"
+
+        lines.append(
+            f"| {row['function']} | {row['seqlen']} | {cell('function')} | {cell('switch')} | {cell('plain')} | "
+            f"{cell('flex')} | {cell('flex / ours', r)} | {cell('packed / mask', r)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
+    p.add_argument("--functions", nargs="+", choices=FUNCTIONS, default=list(FUNCTIONS))
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = p.parse_args()
+    import torch
+
+    results = []
+    for seqlen in args.seqlens:
+        for function in args.functions:
+            started = time.perf_counter()
+            times = measure(function, seqlen)
+            row = {"function": function, "seqlen": seqlen, "times": times, "ratios": ratios(function, times)}
+            results.append(row)
+            shown = " ".join(f"{name}={ms:.3f}" for name, ms in times.items())
+            shown_ratios = " ".join(f"{name}={value:.2f}" for name, value in row["ratios"].items())
+            print(f"{function:10s} S={seqlen:6d} {shown} | {shown_ratios} ({time.perf_counter() - started:.0f} s)")
+    meta = {
+        "command": " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": f"{TOKENS} tokens, H={HEADS}, D={HEAD_DIM}, bf16, causal",
+        "unit": "ms per training step (forward + backward), median",
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(markdown(results))
+    if any(math.isnan(ms) for row in results for ms in row["times"].values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""Score and mask functions written in cuTile (score_mod, mask_mod, block masks), on the GPU
+against the float64 reference; every test skips without CUDA.
+
+Each case pairs the ready-made functions of score_functions.py with what they mean in plain
+PyTorch: a bias tensor (built from the same tables, so that autograd gives the reference
+gradient of a learnable table) or a -inf mask. Our errors must be within the tolerance rule of
+attention_cases against that reference, the same reference run in the inputs' dtype being the
+yardstick. Outputs come from a caching allocator filled with NaN first (poisoned).
+"""
+
+import math
+
+import cuda.tile as ct
+import pytest
+import torch
+
+from tests.ops.attention_cases import Case, assert_close_to_reference, max_error
+from tests.ops.conftest import requires_cuda
+from tilegym import (
+    UserFunctionError,
+    create_block_mask,
+    fmha_forward_with_lse,
+    tile_fmha,
+    tile_fmha_functional,
+    tile_fmha_with_backward,
+)
+from tilegym.ops.attention import score_functions as sf
+from tilegym.ops.attention.reference import attention_reference
+
+pytestmark = requires_cuda
+
+ODD = Case("odd", 2, 3, 3, 77, 77, 64)
+GQA = Case("gqa-4to1", 1, 8, 2, 130, 257, 128)
+SQ_GT_SK = Case("sq-gt-sk", 2, 2, 2, 300, 100, 64)
+MQA = Case("mqa", 2, 6, 1, 97, 97, 128)
+DOCS = Case("docs", 2, 4, 2, 300, 300, 64)
+WIDE = Case("wide", 2, 2, 1, 333, 333, 128)
+
+
+def _poison_allocator():
+    """Fill the blocks the caching allocator will hand out next with NaN."""
+    filler = torch.full((64 * 1024 * 1024,), math.nan, device="cuda")
+    del filler
+
+
+def _inputs(case: Case, dtype):
+    shapes = [
+        (case.batch, case.q_heads, case.seqlen_q, case.head_dim),
+        (case.batch, case.kv_heads, case.seqlen_k, case.head_dim),
+        (case.batch, case.kv_heads, case.seqlen_k, case.head_dim),
+    ]
+    return [torch.randn(s, dtype=dtype, device="cuda") for s in shapes]
+
+
+def _positions(case: Case):
+    rows = torch.arange(case.seqlen_q, device="cuda")[:, None]
+    cols = torch.arange(case.seqlen_k, device="cuda")[None, :]
+    return rows, cols
+
+
+def _hide(visible: torch.Tensor) -> torch.Tensor:
+    """A bias that hides what is not visible."""
+    return torch.zeros(visible.shape, dtype=torch.float64, device="cuda").masked_fill(~visible, -math.inf)
+
+
+def _doc_ids(case: Case, documents: int = 4) -> torch.Tensor:
+    """int32 [B, S]: each row cut into `documents` runs of random lengths."""
+    ids = torch.empty((case.batch, case.seqlen_q), dtype=torch.int32, device="cuda")
+    for b in range(case.batch):
+        cuts = torch.sort(torch.randperm(case.seqlen_q - 1)[: documents - 1] + 1).values.tolist()
+        bounds = [0, *cuts, case.seqlen_q]
+        for doc, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            ids[b, start:end] = doc
+    return ids
+
+
+# Each builder: (case, dtype) -> (our keyword arguments, reference keyword arguments as
+# attention_reference takes them given fp64 tensors, and the learnable tensors (ours, and
+# the reference's view of them) whose gradients to compare).
+def _softcap(case, dtype):
+    cap = 4.0
+    return sf.softcap(cap, approximate=dtype in (torch.float16, torch.bfloat16)), {"softcap": cap}, []
+
+
+def _alibi(case, dtype):
+    slopes = torch.rand(case.q_heads, device="cuda") * 0.2 + 0.01
+    return sf.alibi(slopes, case.seqlen_q, case.seqlen_k), {"alibi_slopes": slopes}, []
+
+
+def _relative(case, dtype, max_distance=16):
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    table = (torch.randn(case.q_heads, 2 * max_distance + 1, device="cuda", dtype=table_dtype) * 0.5).requires_grad_()
+    rows, cols = _positions(case)
+    buckets = (cols - rows).clamp(-max_distance, max_distance) + max_distance
+
+    def bias(table64):
+        return table64[:, buckets][None]  # [1, H, Sq, Sk]
+
+    return sf.relative_position_bias(table, max_distance), {"attn_bias": bias}, [table]
+
+
+def _documents(case, dtype):
+    ids = _doc_ids(case)
+    visible = ids[:, None, :, None] == ids[:, None, None, :]
+    return sf.document_mask(ids), {"attn_bias": lambda _: _hide(visible)}, []
+
+
+def _prefix_lm(case, dtype):
+    prefix = torch.tensor([37, 150][: case.batch], dtype=torch.int32, device="cuda")
+    rows, cols = _positions(case)
+    visible = (cols[None] < prefix[:, None, None].long()) | (cols <= rows)[None]
+    return sf.prefix_lm(prefix), {"attn_bias": lambda _: _hide(visible[:, None])}, []
+
+
+def _window_globals(case, dtype):
+    rows, cols = _positions(case)
+    visible = (rows - cols < 40) | (cols < 4)
+    return sf.sliding_window_with_globals(40, 4), {"attn_bias": lambda _: _hide(visible)}, []
+
+
+def _key_padding(case, dtype):
+    lengths = torch.tensor([case.seqlen_k - 13, case.seqlen_k // 3][: case.batch], dtype=torch.int32, device="cuda")
+    cols = torch.arange(case.seqlen_k, device="cuda")
+    visible = cols[None, :] < lengths[:, None].long()
+    return sf.key_padding(lengths), {"attn_bias": lambda _: _hide(visible[:, None, None, :])}, []
+
+
+def _relative_in_documents(case, dtype):
+    ours, ref, learnable = _relative(case, dtype)
+    doc_ours, doc_ref, _ = _documents(case, dtype)
+    bias, hide = ref["attn_bias"], doc_ref["attn_bias"]
+    return {**ours, **doc_ours}, {"attn_bias": lambda table: bias(table) + hide(None)}, learnable
+
+
+# name -> (case, causal, builder)
+CASES = {
+    "softcap": (ODD, False, _softcap),
+    "softcap-gqa-causal": (GQA, True, _softcap),
+    "alibi-causal": (MQA, True, _alibi),
+    "alibi-sq-gt-sk": (SQ_GT_SK, False, _alibi),
+    "relative-table": (GQA, False, _relative),
+    "relative-table-causal": (ODD, True, _relative),
+    "documents": (DOCS, False, _documents),
+    "documents-causal": (DOCS, True, _documents),
+    "prefix-lm": (DOCS, False, _prefix_lm),
+    "window-globals-causal": (WIDE, True, _window_globals),
+    "key-padding-causal": (WIDE, True, _key_padding),
+    "key-padding-sq-lt-sk": (Case("sq-lt-sk", 2, 4, 4, 100, 300, 64), False, _key_padding),
+    "relative-in-documents-causal": (DOCS, True, _relative_in_documents),
+}
+
+
+def _reference(q, k, v, causal, ref_kwargs, learnable, compute_dtype):
+    """(out, lse, tensors to differentiate) of the reference in compute_dtype."""
+    inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    tables = [t.detach().to(compute_dtype).requires_grad_() for t in learnable]
+    kwargs = dict(ref_kwargs)
+    if "attn_bias" in kwargs:
+        kwargs["attn_bias"] = kwargs["attn_bias"](tables[0] if tables else None).to(compute_dtype)
+    out, lse = attention_reference(*inputs, is_causal=causal, compute_dtype=compute_dtype, **kwargs)
+    return out, lse, inputs + tables
+
+
+def check_case(case: Case, dtype, causal: bool, build):
+    q, k, v = _inputs(case, dtype)
+    ours_kwargs, ref_kwargs, learnable = build(case, dtype)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    d_out = torch.randn_like(q)
+    d_lse = torch.randn(q.shape[:3], device="cuda", dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+    _poison_allocator()
+    out, lse = tile_fmha_with_backward(*leaves, is_causal=causal, return_lse=True, **ours_kwargs)
+    grads = torch.autograd.grad([out, lse], leaves + learnable, [d_out, d_lse])
+
+    ref_out, ref_lse, ref_inputs = _reference(q, k, v, causal, ref_kwargs, learnable, torch.float64)
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [d_out.double(), d_lse.double()])
+    base_dtype = torch.float64 if dtype == torch.float64 else dtype
+    base_out, base_lse, base_inputs = _reference(q, k, v, causal, ref_kwargs, learnable, base_dtype)
+    base_grads = torch.autograd.grad([base_out, base_lse], base_inputs, [d_out.to(base_dtype), d_lse.to(base_dtype)])
+
+    assert_close_to_reference("out", out, base_out, ref_out, dtype)
+    sees_none = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), sees_none), "lse must be -inf exactly where a row sees no key"
+    scale = 1 + ref_lse[~sees_none].abs().max().item() if (~sees_none).any() else 1
+    assert max_error(lse[~sees_none], ref_lse[~sees_none]) <= (1e-12 if dtype == torch.float64 else 1e-5) * scale
+    names = ["dq", "dk", "dv"] + [f"d_aux{i}" for i in range(len(learnable))]
+    for name, ours, base, ref in zip(names, grads, base_grads, ref_grads, strict=True):
+        assert_close_to_reference(name, ours, base, ref, dtype)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_op_attention_programmable(name):
+    case, causal, build = CASES[name]
+    check_case(case, torch.bfloat16, causal, build)
+
+
+@pytest.mark.parametrize("name", ["softcap-gqa-causal", "relative-table", "documents-causal", "key-padding-causal"])
+def test_op_attention_programmable_fp16(name):
+    case, causal, build = CASES[name]
+    check_case(case, torch.float16, causal, build)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", ["softcap", "alibi-sq-gt-sk", "relative-in-documents-causal", "prefix-lm"])
+def test_op_attention_programmable_wide_dtypes(name, dtype):
+    case, causal, build = CASES[name]
+    small = Case("small", case.batch, 4, 2, 45 if case.seqlen_q == case.seqlen_k else 37, 45, 64)
+    check_case(small, dtype, causal, build)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 192, 256])
+def test_op_attention_programmable_head_dims(head_dim):
+    case = Case(f"d{head_dim}", 2, 4, 2, 150, 150, head_dim)
+    check_case(case, torch.bfloat16, True, _relative_in_documents)
+
+
+def test_op_attention_programmable_gradcheck():
+    """float64 gradcheck of a score function (softcap) in q, k, v, and of an aux gradient (a
+    relative-position table)."""
+    case = Case("tiny", 1, 2, 1, 9, 11, 32)
+    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.float64))
+    capped = sf.softcap(2.0, approximate=False)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: tile_fmha_with_backward(q, k, v, is_causal=True, **capped), (q, k, v), eps=1e-6, atol=1e-7
+    )
+    table = torch.randn(case.q_heads, 9, dtype=torch.float64, device="cuda", requires_grad=True)
+
+    def with_table(table):
+        kwargs = sf.relative_position_bias(table, 4)
+        return tile_fmha_with_backward(q.detach(), k.detach(), v.detach(), is_causal=False, **kwargs)
+
+    assert torch.autograd.gradcheck(with_table, (table,), eps=1e-6, atol=1e-7)
+
+
+def test_op_attention_programmable_public_functions():
+    """Every public function takes the functions, and gives the same values."""
+    case, causal, build = CASES["relative-in-documents-causal"]
+    q, k, v = _inputs(case, torch.bfloat16)
+    kwargs, _, _ = build(case, torch.bfloat16)
+    trained, trained_lse = tile_fmha_with_backward(q, k, v, is_causal=causal, return_lse=True, **kwargs)
+    inferred = tile_fmha(q, k, v, is_causal=causal, **kwargs)
+    with_lse, lse = fmha_forward_with_lse(q, k, v, is_causal=causal, **kwargs)
+    functional = tile_fmha_functional(q, k, v, is_causal=causal, training=False, **kwargs)
+    for out in (inferred, with_lse, functional):
+        torch.testing.assert_close(out, trained, atol=0, rtol=0)
+    torch.testing.assert_close(lse, trained_lse, atol=0, rtol=0)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    assert tile_fmha_functional(*leaves, is_causal=causal, **kwargs).grad_fn is not None
+
+
+def test_op_attention_block_mask_reused():
+    """A block mask made once serves forward and backward of later calls: its tile lists are
+    made on first use per tiling and not again; results are bitwise repeatable."""
+    case = DOCS
+    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.bfloat16))
+    docs = sf.document_mask(_doc_ids(case))
+    mask = create_block_mask(
+        docs["mask_mod"], case.batch, None, case.seqlen_q, case.seqlen_k, mask_aux=docs["mask_aux"]
+    )
+    d_out = torch.randn_like(q)
+    first_out = tile_fmha_with_backward(q, k, v, is_causal=True, block_mask=mask)
+    first = torch.autograd.grad(first_out, (q, k, v), d_out)
+    made = len(mask._lists)
+    assert made >= 2  # the kinds of at least one tiling, and its lists
+    second_out = tile_fmha_with_backward(q, k, v, is_causal=True, block_mask=mask)
+    second = torch.autograd.grad(second_out, (q, k, v), d_out)
+    assert len(mask._lists) == made, "a second call must reuse the mask's lists"
+    torch.testing.assert_close(second_out, first_out, atol=0, rtol=0)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # The same mask through mask_mod per call gives the same values.
+    per_call = tile_fmha_with_backward(q, k, v, is_causal=True, **docs)
+    torch.testing.assert_close(per_call, first_out, atol=0, rtol=0)
+
+
+def test_op_attention_block_mask_skips_empty_tiles():
+    """The lists hold exactly the tiles the mask touches: a block-diagonal document mask of two
+    halves, tiled at 64, lists no tile across the halves and runs the diagonal ones unmasked."""
+    case = Case("halves", 1, 1, 1, 256, 256, 64)
+    ids = torch.zeros((1, 256), dtype=torch.int32, device="cuda")
+    ids[:, 128:] = 1
+    docs = sf.document_mask(ids)
+    mask = create_block_mask(docs["mask_mod"], 1, 1, 256, 256, mask_aux=docs["mask_aux"])
+    from tilegym.ops.attention.block_mask import MaskRule
+
+    lists = mask.tile_lists(64, 64, MaskRule(False, False, 512, 512), key_major=False)
+    counts = lists.counts[0, 0].tolist()
+    assert counts == [[0, 2], [0, 2], [0, 2], [0, 2]], counts
+    assert lists.tiles[0, 0, 2, 1, :2].tolist() == [2, 3]
+    causal = mask.tile_lists(64, 64, MaskRule(True, False, 512, 512), key_major=True)
+    # Key tile 1 (keys 64-127): seen in full by query tile 1 (diagonal: partly), 1 only.
+    assert causal.counts[0, 0].tolist() == [[1, 1], [1, 0], [1, 1], [1, 0]]
+    q, k, v = _inputs(case, torch.bfloat16)
+    out = tile_fmha(q, k, v, is_causal=False, block_mask=mask)
+    visible = ids[0, :, None] == ids[0, None, :]
+    ref, _ = attention_reference(q, k, v, is_causal=False, attn_bias=_hide(visible))
+    assert max_error(out, ref) < 2e-2
+
+
+def test_op_attention_programmable_kernels_are_keyed_by_function():
+    """Two functions that differ only in a closed-over constant get different kernels and
+    results; the same function defined twice shares one."""
+    case = ODD
+    q, k, v = _inputs(case, torch.bfloat16)
+    outs = {cap: tile_fmha(q, k, v, is_causal=False, **sf.softcap(cap)) for cap in (1.0, 8.0)}
+    refs = {cap: attention_reference(q, k, v, is_causal=False, softcap=cap)[0] for cap in (1.0, 8.0)}
+    for cap in outs:
+        assert max_error(outs[cap], refs[cap]) < 3e-2
+    assert max_error(outs[1.0], outs[8.0]) > 0.05
+    again = tile_fmha(q, k, v, is_causal=False, **sf.softcap(1.0))
+    torch.testing.assert_close(again, outs[1.0], atol=0, rtol=0)
+
+
+def _not_compilable(score, b, h, q_idx, kv_idx, aux):
+    return score + torch.ones(1)  # PyTorch inside a kernel: cuTile refuses it
+
+
+def test_op_attention_programmable_compile_error_names_the_function():
+    """A function cuTile cannot compile is a UserFunctionError naming it and its file before any
+    launch; the GPU stays usable."""
+    q, k, v = _inputs(ODD, torch.bfloat16)
+    with pytest.raises(UserFunctionError, match=r"_not_compilable.*test_attention_programmable\.py:\d+"):
+        tile_fmha(q, k, v, score_mod=_not_compilable)
+    out = tile_fmha(q, k, v, is_causal=False, **sf.softcap(4.0))
+    assert torch.isfinite(out).all()
+    torch.cuda.synchronize()
+
+
+def test_op_attention_programmable_bad_arguments():
+    q, k, v = (t.requires_grad_() for t in _inputs(ODD, torch.bfloat16))
+    capped = sf.softcap(4.0)
+    with pytest.raises(ValueError, match="score_mod_grad"):
+        tile_fmha_with_backward(q, k, v, score_mod=capped["score_mod"])
+    with pytest.raises(ValueError, match="score_mod_grad is given without score_mod"):
+        tile_fmha(q, k, v, score_mod_grad=capped["score_mod_grad"])
+    with pytest.raises(TypeError, match="score_mod must be a Python function"):
+        tile_fmha(q, k, v, score_mod="softcap")
+    table = torch.randn(3, 9, device="cuda", requires_grad=True)
+    relative = sf.relative_position_bias(table, 4)
+    with pytest.raises(ValueError, match="no aux_grad"):
+        tile_fmha_with_backward(q, k, v, **{**relative, "aux_grad": None})
+    with pytest.raises(ValueError, match=r"aux\[0\] must be on q's device"):
+        tile_fmha(q, k, v, **{**relative, "aux": (table.detach().cpu(),)})
+    with pytest.raises(ValueError, match="at most 4"):
+        tile_fmha(q, k, v, **{**relative, "aux": (table,) * 5})
+    captured = torch.ones(1, device="cuda")
+    with pytest.raises(TypeError, match="uses the tensor 'captured'"):
+        tile_fmha(q, k, v, score_mod=lambda s, b, h, i, j, aux: s + captured)
+    docs = sf.document_mask(_doc_ids(DOCS))
+    mask = create_block_mask(docs["mask_mod"], None, None, 300, 300, mask_aux=docs["mask_aux"])
+    with pytest.raises(ValueError, match="block_mask covers Q_LEN=300"):
+        tile_fmha(q, k, v, block_mask=mask)
+    with pytest.raises(ValueError, match="either block_mask or mask_mod"):
+        tile_fmha(q, k, v, block_mask=mask, mask_mod=docs["mask_mod"])
+    with pytest.raises(ValueError, match="packed batch"):
+        cu = torch.tensor([0, 77], dtype=torch.int32, device="cuda")
+        tile_fmha_functional(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens_q=cu,
+                             cu_seqlens_k=cu, max_seqlen_q=77, max_seqlen_k=77, **capped)  # fmt: skip
+
+
+def test_op_attention_programmable_in_a_cuda_graph():
+    """A training step with a score function (its table learnable) and a block mask, captured and
+    replayed on new inputs, gives the eager step's values."""
+    case, causal, build = CASES["relative-in-documents-causal"]
+    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.bfloat16))
+    kwargs, _, (table,) = build(case, torch.bfloat16)
+    mask = create_block_mask(kwargs.pop("mask_mod"), case.batch, None, case.seqlen_q, case.seqlen_k,
+                             mask_aux=kwargs.pop("mask_aux"))  # fmt: skip
+    d_out = torch.randn_like(q)
+    leaves = (q, k, v, table)
+
+    def step():
+        out = tile_fmha_with_backward(q, k, v, is_causal=causal, block_mask=mask, **kwargs)
+        out.backward(d_out)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and makes the mask's lists outside the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    with torch.no_grad():
+        for t in (q, k, v, d_out):
+            t.copy_(torch.randn_like(t))
+        table.mul_(2.0)
+        for t in (out, *[leaf.grad for leaf in leaves]):
+            t.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = (out.clone(), *[leaf.grad.clone() for leaf in leaves])
+
+    for t in leaves:
+        t.grad = None
+    eager_out = step()
+    want = (eager_out, *[leaf.grad for leaf in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=False):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    # The table's gradient is summed by atomic adds: equal to rounding.
+    torch.testing.assert_close(got[4], want[4], atol=1e-3, rtol=1e-3)
+
+
+def test_op_attention_programmable_under_torch_compile():
+    """torch.compile runs a call with module-level functions (eagerly, at a graph break) and
+    gives the eager values and gradients."""
+    case = GQA
+    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.bfloat16))
+    slopes = torch.rand(case.q_heads, device="cuda") * 0.1
+    kwargs = sf.alibi(slopes, case.seqlen_q, case.seqlen_k)
+
+    def attention(q, k, v):
+        return tile_fmha_with_backward(q, k, v, is_causal=True, **kwargs) * 2.0
+
+    eager = attention(q, k, v)
+    compiled = torch.compile(attention)(q, k, v)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    d_out = torch.randn_like(eager)
+    compiled_grads = torch.autograd.grad(compiled, (q, k, v), d_out)
+    for a, b in zip(compiled_grads, torch.autograd.grad(eager, (q, k, v), d_out), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_op_attention_mask_mod_sees_real_batch_and_head():
+    """mask_mod gets each program's batch entry and query head: a mask hiding odd keys for head
+    1 of batch entry 1 only."""
+    case = Case("bh", 2, 2, 1, 70, 70, 64)
+    q, k, v = _inputs(case, torch.bfloat16)
+
+    def odd_keys_hidden_for_b1_h1(b, h, q_idx, kv_idx, mask_aux):
+        return ((kv_idx & 1) == 0) | (b != 1) | (h != 1)
+
+    out = tile_fmha(q, k, v, is_causal=True, mask_mod=odd_keys_hidden_for_b1_h1)
+    visible = torch.ones((2, 2, 70, 70), dtype=torch.bool, device="cuda")
+    visible[1, 1, :, 1::2] = False
+    ref, _ = attention_reference(q, k, v, is_causal=True, attn_bias=_hide(visible))
+    assert max_error(out, ref) < 2e-2
+
+
+def test_op_attention_score_mod_sees_indices():
+    """score_mod gets q_idx and kv_idx as positions in the call (Sq != Sk) in every kernel."""
+    case = Case("idx", 1, 2, 2, 50, 90, 64)
+    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.float32))
+
+    def position_bias(score, b, h, q_idx, kv_idx, aux):
+        return score + ct.astype(q_idx * 3 - kv_idx * 2 + h, score.dtype) * 0.01
+
+    def position_bias_grad(grad, score, b, h, q_idx, kv_idx, aux):
+        return grad
+
+    out = tile_fmha_with_backward(q, k, v, is_causal=False, score_mod=position_bias, score_mod_grad=position_bias_grad)
+    rows, cols = _positions(case)
+    heads = torch.arange(2, device="cuda")[:, None, None]
+    bias = ((rows * 3 - cols * 2)[None] + heads).double()[None] * 0.01
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_reference(*ref_inputs, is_causal=False, attn_bias=bias)
+    assert max_error(out, ref) < 1e-4
+    d_out = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), d_out)
+    theirs = torch.autograd.grad(ref, ref_inputs, d_out.double())
+    for a, b in zip(ours, theirs, strict=True):
+        assert max_error(a, b) < 1e-4

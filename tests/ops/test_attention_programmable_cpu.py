@@ -1,0 +1,171 @@
+"""Score and mask functions without a GPU: their fingerprints, the kernel copies keyed by them,
+the checks, the block mask's lists, and every ready-made function compiled into the kernels
+for sm_90 (ahead of time)."""
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import cuda.tile as ct
+import pytest
+import torch
+
+from tests.ops import sass
+from tilegym import autotune
+from tilegym.ops.attention import block_mask, configs, programmable, score_functions
+from tilegym.ops.attention.score_mods import ScoreMods
+from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, FORWARD_LSE, VARIANTS
+
+
+def _fingerprint(kwargs: dict) -> str:
+    return programmable.user_functions(
+        kwargs.get("score_mod"), kwargs.get("score_mod_grad"), kwargs.get("aux_grad"), kwargs.get("mask_mod")
+    ).fingerprint
+
+
+def test_fingerprint_follows_code_and_constants_not_identity():
+    first, second = score_functions.softcap(4.0), score_functions.softcap(4.0)
+    assert first["score_mod"] is not second["score_mod"]
+    assert _fingerprint(first) == _fingerprint(second)
+    assert _fingerprint(score_functions.softcap(4.0)) != _fingerprint(score_functions.softcap(8.0))
+    assert _fingerprint(score_functions.softcap(4.0)) != _fingerprint(score_functions.softcap(4.0, approximate=False))
+    assert _fingerprint(score_functions.sliding_window_with_globals(40, 4)) != _fingerprint(
+        score_functions.sliding_window_with_globals(40, 5)
+    )
+
+    def plus_one(score, b, h, q_idx, kv_idx, aux):
+        return score + 1.0
+
+    def plus_two(score, b, h, q_idx, kv_idx, aux):
+        return score + 2.0
+
+    assert programmable.fingerprint(plus_one) != programmable.fingerprint(plus_two)
+
+
+def test_fingerprint_is_the_same_in_a_new_process():
+    code = (
+        "from tilegym.ops.attention import programmable, score_functions as sf\n"
+        "f = sf.relative_position_bias(__import__('torch').zeros(2, 9), 4)\n"
+        "print(programmable.user_functions(f['score_mod'], f['score_mod_grad'], f['aux_grad']).fingerprint)"
+    )
+    here = _fingerprint(score_functions.relative_position_bias(torch.zeros(2, 9), 4))
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert here == there
+
+
+def test_fingerprint_refuses_captured_tensors():
+    table = torch.zeros(3)
+
+    def reads_table(score, b, h, q_idx, kv_idx, aux):
+        return score + table[0]
+
+    with pytest.raises(TypeError, match=r"score_mod 'test_fingerprint_refuses_captured_tensors.<locals>.reads_table'"):
+        programmable.user_functions(score_mod=reads_table)
+
+
+def test_user_functions_checks():
+    capped = score_functions.softcap(2.0)
+    assert programmable.user_functions() is None
+    with pytest.raises(TypeError, match="mask_mod must be a Python function"):
+        programmable.user_functions(mask_mod=len)
+    with pytest.raises(ValueError, match="aux_grad is given without score_mod"):
+        programmable.user_functions(aux_grad=capped["score_mod_grad"])
+    functions = programmable.user_functions(**capped)
+    assert functions == programmable.user_functions(**score_functions.softcap(2.0))
+    key = ScoreMods(user=functions).key()
+    assert key.startswith("|score_mod|fn-") and functions.fingerprint[:16] in key
+    assert not ScoreMods(user=programmable.user_functions(mask_mod=lambda b, h, i, j, aux: i >= j)).plain_scores
+
+
+def test_user_kernel_is_one_copy_per_fingerprint():
+    kernel = VARIANTS[FORWARD_LSE].kernel
+    assert programmable.user_kernel(kernel, None) is kernel
+    first = programmable.user_kernel(kernel, programmable.user_functions(**score_functions.softcap(3.0)))
+    again = programmable.user_kernel(kernel, programmable.user_functions(**score_functions.softcap(3.0)))
+    other = programmable.user_kernel(kernel, programmable.user_functions(**score_functions.softcap(5.0)))
+    assert first is again and first is not other and first is not kernel
+    functions = programmable.user_functions(**score_functions.softcap(3.0))
+    assert functions.fingerprint[:24] in first._pyfunc.__qualname__  # the kernel cache's key
+    assert first._pyfunc.__globals__["SCORE_MOD"] is not None and kernel._pyfunc.__globals__["SCORE_MOD"] is None
+
+
+def test_check_aux():
+    q = torch.zeros(1)
+    assert programmable.check_aux(None, q, "aux") == ()
+    table = torch.zeros(2, 3)
+    assert programmable.check_aux(table, q, "aux") == (table,)
+    with pytest.raises(TypeError, match=r"aux\[1\] must be a torch.Tensor"):
+        programmable.check_aux((table, 2.0), q, "aux")
+    with pytest.raises(ValueError, match="at most 4"):
+        programmable.check_aux((table,) * 5, q, "aux")
+    with pytest.raises(ValueError, match=r"mask_aux\[0\] must have at least one dimension"):
+        programmable.check_aux((torch.tensor(3),), q, "mask_aux")
+    with pytest.raises(TypeError, match="bool tensor"):
+        programmable.check_aux((torch.zeros(3, dtype=torch.bool),), q, "aux")
+
+
+def test_block_mask_lists_of_kinds():
+    """Each row lists its partial tiles, then its full ones, ascending; counts say how many."""
+    kinds = torch.tensor([[[[0, 1, 2, 1], [2, 2, 0, 0], [0, 0, 0, 0]]]], dtype=torch.int8)
+    lists = block_mask._lists_of(kinds)
+    assert lists.counts[0, 0].tolist() == [[2, 1], [0, 2], [0, 0]]
+    assert lists.tiles[0, 0, 0, 0, :2].tolist() == [1, 3] and lists.tiles[0, 0, 0, 1, :1].tolist() == [2]
+    assert lists.tiles[0, 0, 1, 1, :2].tolist() == [0, 1]
+    assert lists.counts.dtype == lists.tiles.dtype == torch.int32
+
+
+def test_create_block_mask_checks():
+    with pytest.raises(TypeError, match="mask_mod must be a Python function"):
+        block_mask.create_block_mask("causal", 1, 1, 8, 8, device="cpu")
+    with pytest.raises(ValueError, match="Q_LEN must be a positive int"):
+        block_mask.create_block_mask(lambda b, h, i, j, a: i >= j, 1, 1, -1, 8, device="cpu")
+    mask = block_mask.create_block_mask(lambda b, h, i, j, a: i >= j, None, 4, 8, 8, device="cpu")
+    assert mask.shape == (1, 4, 8, 8)
+
+
+# Every ready-made function, its aux and mask_aux arrays as the kernels see them, and whether
+# it masks (block_sparse).
+_READY_MADE = {
+    "softcap": (score_functions.softcap(30.0), {}, False),
+    "alibi": (score_functions.alibi(torch.zeros(4), 8, 8), {"Aux1": (ct.int32, 1)}, False),
+    "relative": (
+        score_functions.relative_position_bias(torch.zeros(4, 17), 8),
+        {"Aux0": (ct.float32, 2), "AuxGrad0": (ct.float32, 2)},
+        False,
+    ),
+    "documents": (
+        score_functions.document_mask(torch.zeros(2, 8, dtype=torch.int32)),
+        {"MaskAux0": (ct.int32, 2)},
+        True,
+    ),
+    "prefix-lm": (score_functions.prefix_lm(torch.zeros(2, dtype=torch.int32)), {"MaskAux0": (ct.int32, 1)}, True),
+    "window-globals": (score_functions.sliding_window_with_globals(64, 4), {}, True),
+    "key-padding": (score_functions.key_padding(torch.zeros(2, dtype=torch.int32)), {"MaskAux0": (ct.int32, 1)}, True),
+}
+
+
+@pytest.mark.parametrize("name", list(_READY_MADE))
+def test_ready_made_functions_compile_into_every_kernel(name):
+    """Each compiles into the forward, dQ and dK/dV kernels at D=64 bf16 for sm_90, and the
+    score functions (which every step pays for) keep the matmuls pipelined."""
+    if sass.cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    kwargs, arrays, masks = _READY_MADE[name]
+    functions = programmable.user_functions(
+        kwargs.get("score_mod"), kwargs.get("score_mod_grad"), kwargs.get("aux_grad"), kwargs.get("mask_mod")
+    )
+    with tempfile.TemporaryDirectory() as workdir:
+        for variant in (FORWARD_LSE, BACKWARD_DQ, BACKWARD_DKDV):
+            config = configs.candidates(variant, "sm_90", 64, 2, True)[0]
+            kernel = autotune.with_hints(programmable.user_kernel(VARIANTS[variant].kernel, functions), config)
+            signature = sass.signature(
+                variant, ct.bfloat16, 64, config, True, {"block_sparse": masks}, arrays=arrays
+            )  # fmt: skip
+            path = Path(workdir) / f"{variant}.cubin"
+            from cuda.tile.compilation import export_kernel
+
+            export_kernel(kernel, [signature], str(path), gpu_code="sm_90", output_format="cubin")
+            text = sass.disassemble(path)
+            assert "HGMMA" in text
+            assert not sass.matmuls_serialized(text), f"{name}: {variant} waits for each matmul alone"

@@ -1,0 +1,176 @@
+"""Block masks: which tiles of a mask_mod are empty, partly or fully visible, made once per mask
+and reused by every launch (forward and backward) that runs with it.
+
+A BlockMask holds the caller's mask_mod, its tensors (mask_aux) and the sizes it covers. The
+kernels' tiles differ from kernel to kernel and config to config, so the mask keeps, per
+tiling and mask rule (causal, window), the lists its kernels read: for each row of tiles, the
+partly visible tiles (run with the mask evaluated), then the fully visible ones (run without),
+every other tile skipped. Each is computed on the GPU on first use (one kernel evaluating
+mask_mod on every pair, then a sort), without a host synchronisation, and kept.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tilegym.ops.attention import programmable
+from tilegym.ops.attention.programmable import UserFunctions
+
+# Tile kinds, as the classifying kernel writes them (kernels/block_mask.py).
+_PARTIAL = 1
+_FULL = 2
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """What besides mask_mod decides a pair's visibility in a call: the kernels' causal switch and
+    window sides (launch._modifier_arguments' values)."""
+
+    causal: bool
+    windowed: bool
+    window_left: int
+    window_right: int
+
+
+@dataclass(frozen=True)
+class TileListTensors:
+    """The lists of one tiling (kernels/state.TileLists): counts [B, H, rows, 2] and tiles
+    [B, H, rows, 2, tiles], int32."""
+
+    counts: torch.Tensor
+    tiles: torch.Tensor
+
+
+class BlockMask:
+    """mask_mod over [batch, heads, seqlen_q, seqlen_k], batch or heads 1 where the mask is the
+    same for every batch entry or head. Made by create_block_mask; pass it as block_mask= to
+    the attention functions."""
+
+    def __init__(self, mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, mask_aux, device):
+        self.mask_mod = mask_mod
+        self.functions: UserFunctions = programmable.user_functions(mask_mod=mask_mod)
+        self.batch, self.heads, self.seqlen_q, self.seqlen_k = batch, heads, seqlen_q, seqlen_k
+        self.mask_aux = mask_aux
+        self.device = device
+        self._lists: dict[tuple, TileListTensors] = {}
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.batch, self.heads, self.seqlen_q, self.seqlen_k
+
+    def __repr__(self) -> str:
+        return f"BlockMask(mask_mod={self.mask_mod.__qualname__}, shape={list(self.shape)})"
+
+    def tile_lists(self, block_m: int, block_n: int, rule: MaskRule, key_major: bool) -> TileListTensors:
+        """The lists for [block_m, block_n] tiles under rule: one row per query tile, or per key
+        tile (key_major, the dK/dV kernel's)."""
+        key = (block_m, block_n, rule, key_major)
+        found = self._lists.get(key)
+        if found is None:
+            kinds = self._tile_kinds(block_m, block_n, rule)
+            found = self._lists[key] = _lists_of(kinds.transpose(2, 3) if key_major else kinds)
+        return found
+
+    def _tile_kinds(self, block_m: int, block_n: int, rule: MaskRule) -> torch.Tensor:
+        key = ("kinds", block_m, block_n, rule)
+        if key in self._lists:
+            return self._lists[key]
+        from tilegym.ops.attention import launch
+
+        kinds = launch.classify_tiles(self, block_m, block_n, rule)
+        self._lists[key] = kinds
+        return kinds
+
+
+def _lists_of(kinds: torch.Tensor) -> TileListTensors:
+    """Counts and ascending tile indices of each row's partial and full tiles."""
+    partial, full = kinds == _PARTIAL, kinds == _FULL
+    counts = torch.stack([partial.sum(-1), full.sum(-1)], dim=-1).to(torch.int32)
+    # A stable sort of "not chosen" puts the chosen tiles first, in ascending order.
+    firsts = [torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices for chosen in (partial, full)]
+    tiles = torch.stack(firsts, dim=-2).to(torch.int32).contiguous()
+    return TileListTensors(counts.contiguous(), tiles)
+
+
+def create_block_mask(
+    mask_mod: Callable,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device="cuda",
+    mask_aux=None,
+) -> BlockMask:
+    """A BlockMask of mask_mod over [B, H, Q_LEN, KV_LEN] (FlexAttention's create_block_mask).
+
+    Args:
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx, mask_aux) -> bool tile``, cuTile code:
+            b and h are int32 scalars, q_idx and kv_idx int32 index tiles that broadcast
+            against each other, mask_aux the tuple of tensors below (cuTile arrays, read with
+            ``ct.gather``). True where query q_idx attends to key kv_idx.
+        B, H: batch entries and query heads; None (or 1) when the mask is the same for all
+            (mask_mod is then called with 0 for that index when the tiles are sorted, and with
+            the real index inside the kernels).
+        Q_LEN, KV_LEN: the query and key lengths of the calls it serves.
+        device: where the mask's tensors and lists live.
+        mask_aux: up to 4 tensors mask_mod reads (document ids, lengths, ...).
+
+    The tiles are sorted on first use by each kernel tiling (one kernel run each, cached in the
+    mask), so a mask made once serves every later call, forward and backward. Call the
+    attention once outside a CUDA graph capture before capturing it (as for tuning).
+
+    Example::
+
+        def same_document(b, h, q_idx, kv_idx, mask_aux):
+            doc = mask_aux[0]
+            return ct.gather(doc, q_idx) == ct.gather(doc, kv_idx)
+
+        mask = create_block_mask(same_document, None, None, 4096, 4096, mask_aux=(doc_ids,))
+        out = tile_fmha_with_backward(q, k, v, is_causal=True, block_mask=mask)
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not isinstance(mask_mod, type(create_block_mask)):
+        raise TypeError(f"mask_mod must be a Python function (def or lambda), got {type(mask_mod).__name__}")
+    sizes = {}
+    for name, value, optional in (("B", B, True), ("H", H, True), ("Q_LEN", Q_LEN, False), ("KV_LEN", KV_LEN, False)):
+        if value is None and optional:
+            value = 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if optional else 0):
+            raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+        sizes[name] = value
+    probe = torch.empty(0, device=device)
+    mask_aux = programmable.check_aux(mask_aux, probe, "mask_aux")
+    return BlockMask(mask_mod, sizes["B"], sizes["H"], sizes["Q_LEN"], sizes["KV_LEN"], mask_aux, device)
+
+
+def check_block_mask(
+    block_mask, mask_mod, mask_aux, q: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int
+):
+    """The call's BlockMask: block_mask checked against the call's sizes, or one made for this
+    call from mask_mod; None without either."""
+    if block_mask is None:
+        if mask_mod is None:
+            if mask_aux is not None:
+                raise ValueError("mask_aux is given without mask_mod or block_mask")
+            return None
+        return create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, q.device, mask_aux)
+    if mask_mod is not None or mask_aux is not None:
+        raise ValueError("give either block_mask or mask_mod (with mask_aux), not both: a block mask holds its own")
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask (create_block_mask), got {type(block_mask).__name__}")
+    if (block_mask.seqlen_q, block_mask.seqlen_k) != (seqlen_q, seqlen_k):
+        raise ValueError(
+            f"block_mask covers Q_LEN={block_mask.seqlen_q}, KV_LEN={block_mask.seqlen_k}, but the call has "
+            f"Sq={seqlen_q}, Sk={seqlen_k}"
+        )
+    if block_mask.batch not in (1, batch) or block_mask.heads not in (1, heads):
+        raise ValueError(
+            f"block_mask has B={block_mask.batch}, H={block_mask.heads}; the call needs 1 or its batch ({batch}) "
+            f"and 1 or its query heads ({heads})"
+        )
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.device}, q on {q.device}")
+    return block_mask
