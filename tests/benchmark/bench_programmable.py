@@ -18,6 +18,7 @@ for the README.
 """
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -56,6 +57,10 @@ def providers(function: str, batch: int, seqlen: int, q, k, v):
     from tilegym import create_block_mask, tile_fmha_varlen, tile_fmha_with_backward
     from tilegym.ops.attention import score_functions as sf
 
+    # Every function and length compiles FlexAttention anew: past dynamo's default limit of
+    # compiles per function it would silently run eagerly (materializing the scores).
+    torch._dynamo.config.cache_size_limit = 256  # noqa: SLF001
+    torch._dynamo.config.accumulated_cache_size_limit = 4096  # noqa: SLF001
     flex = torch.compile(flex_attention)
 
     def causal(b, h, q_idx, kv_idx):
@@ -139,8 +144,7 @@ def measure(function: str, seqlen: int) -> dict:
     times = {}
     if theirs is not None:
         try:
-            with torch.no_grad():
-                reference = theirs(q, k, v)
+            reference = theirs(q, k, v).detach()
             check = ours["function"](q, k, v).detach()
             error = (check.float() - reference.float()).abs().max().item()
             if error > 5e-2:
@@ -150,6 +154,9 @@ def measure(function: str, seqlen: int) -> dict:
             print(f"FlexAttention failed on {function} S={seqlen}: {str(error).splitlines()[0]}", flush=True)
     for name, fn in ours.items():
         times[name] = bench_utils.median_ms(_step(fn, q, k, v, d_out))
+    del ours, theirs
+    gc.collect()
+    torch.cuda.empty_cache()
     return times
 
 

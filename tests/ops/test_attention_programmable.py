@@ -450,7 +450,7 @@ def test_op_attention_score_mod_sees_indices():
     def position_bias(score, b, h, q_idx, kv_idx, aux):
         return score + ct.astype(q_idx * 3 - kv_idx * 2 + h, score.dtype) * 0.01
 
-    def position_bias_grad(grad, score, b, h, q_idx, kv_idx, aux):
+    def position_bias_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
         return grad
 
     out = tile_fmha_with_backward(q, k, v, is_causal=False, score_mod=position_bias, score_mod_grad=position_bias_grad)

@@ -378,7 +378,7 @@ class _Programs:
         if training and self.score_mod is not None and self.score_mod_grad is None:
             raise ValueError(
                 "score_mod_grad is needed for the backward of score_mod: the gradient of score_mod's output "
-                "with respect to its input score (e.g. `lambda grad, score, b, h, q_idx, kv_idx, aux: grad` "
+                "with respect to its input score (e.g. `lambda grad, score, out, b, h, q_idx, kv_idx, aux: grad` "
                 "for an additive score_mod)"
             )
         if training and self.aux_grad is None and any(t.requires_grad for t in aux):

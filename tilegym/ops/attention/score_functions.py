@@ -6,7 +6,9 @@ Each factory returns the keyword arguments of one call, to spread into it::
     out = tile_fmha_with_backward(q, k, v, **softcap(30.0))
     out = tile_fmha_with_backward(q, k, v, is_causal=True, **document_mask(doc_ids))
 
-Score functions get natural-unit scores (softmax scale applied) as fp32 tiles (fp64 for fp64
+score_mod_grad(grad, score, out, b, h, q_idx, kv_idx, aux) gets the gradient with respect to
+score_mod's output, its input and its output, and returns the gradient with respect to its
+input. Score functions get natural-unit scores (softmax scale applied) as fp32 tiles (fp64 for fp64
 inputs), b and h as int32 scalars, q_idx and kv_idx as int32 index tiles that broadcast
 against the scores (their orientation differs between kernels: write elementwise code), and
 aux, the call's tensors as cuTile arrays (read with ct.gather). Numbers a function closes over
@@ -17,7 +19,7 @@ import cuda.tile as ct
 import torch
 
 
-def additive_grad(grad, score, b, h, q_idx, kv_idx, aux):
+def additive_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
     """score_mod_grad of any score_mod that adds a term to the score: d(score + x)/d score = 1."""
     return grad
 
@@ -35,8 +37,9 @@ def softcap(cap: float, approximate: bool = True) -> dict:
     def softcap_score(score, b, h, q_idx, kv_idx, aux):
         return cap * ct.tanh(score * inverse, rounding_mode=rounding)
 
-    def softcap_grad(grad, score, b, h, q_idx, kv_idx, aux):
-        capped = ct.tanh(score * inverse, rounding_mode=rounding)
+    def softcap_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
+        # d/ds cap tanh(s / cap) = 1 - tanh^2, read from the output: no second tanh.
+        capped = out * inverse
         return grad * (1.0 - capped * capped)
 
     return {"score_mod": softcap_score, "score_mod_grad": softcap_grad}
@@ -69,7 +72,17 @@ def relative_position_bias(table: torch.Tensor, max_distance: int) -> dict:
         return score + ct.astype(ct.gather(aux[0], (h, bucket(q_idx, kv_idx))), score.dtype)
 
     def relative_table_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
-        ct.atomic_add(aux_grads[0], (h, bucket(q_idx, kv_idx)), grad)
+        # Pairs farther apart than max_distance share the table's two end buckets: one sum per
+        # tile for each, since one atomic add per pair would all land on one address. Pairs
+        # within it add one by one, and only in tiles that have some.
+        offset = kv_idx - q_idx
+        ct.atomic_add(aux_grads[0], (h, 0), ct.sum(ct.where(offset < -max_distance, grad, 0.0)))
+        ct.atomic_add(aux_grads[0], (h, 2 * max_distance), ct.sum(ct.where(offset > max_distance, grad, 0.0)))
+        near = (offset >= -max_distance) & (offset <= max_distance)
+        if ct.sum(ct.where(near, 1, 0)) > 0:
+            # Far pairs get an index past the table, which the bounds check drops.
+            index = ct.where(near, offset + max_distance, 2 * max_distance + 1)
+            ct.atomic_add(aux_grads[0], (h, index), grad)
 
     return {
         "score_mod": relative_score,

@@ -167,7 +167,9 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         ct.store(tile.DBias, index=(b, q_head, q_tile, tile.kv_tile), tile=d_bias)
     elif tile.bias_grad == BIAS_ONE_ROW:
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)  # [block_n, 1]
-    d_scores_t = raw_gradient(d_scores_t, capped_tanh_t, natural_t, rows, tile.cols, scoring).astype(q.main.dtype)
+    d_scores_t = raw_gradient(d_scores_t, capped_tanh_t, natural_t, scores_t, rows, tile.cols, scoring).astype(
+        q.main.dtype
+    )
     if reload_q:
         # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
         # stays busy until dK, so the next step's Q could only be loaded while this step
@@ -375,7 +377,7 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
     d_probs = ct.mma(tile.d_out, ct.transpose(v), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
-    d_scores = raw_gradient(probs * (d_probs - tile.delta), capped_tanh, natural, tile.rows, cols, scoring)
+    d_scores = raw_gradient(probs * (d_probs - tile.delta), capped_tanh, natural, step_scores, tile.rows, cols, scoring)
     return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling)
 
 

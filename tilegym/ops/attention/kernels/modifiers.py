@@ -88,7 +88,8 @@ def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: C
     if switches.alibi:
         distance = ct.abs(rows + (scoring.seqlens.k - scoring.seqlens.q) - cols).astype(raw.dtype)
         result = result - mods.slope_log2 * distance
-    result, natural = user_scored(result, rows, cols, switches, scoring.user)
+    builtin = switches.capped or switches.bias_mode != BIAS_NONE or switches.alibi
+    result, natural = user_scored(result, raw, scoring, rows, cols, builtin)
     return result, capped_tanh, natural
 
 
@@ -102,9 +103,10 @@ def pre_cap_gradient(d_scores, capped_tanh, capped: ConstBool):
 
 
 @ct.function
-def raw_gradient(d_scores, capped_tanh, natural, rows, cols, scoring):
+def raw_gradient(d_scores, capped_tanh, natural, scores_log2, rows, cols, scoring):
     """The gradient with respect to scale * q.k from that with respect to the final scores
-    (d_scores, natural units): back through the caller's score_mod, then the softcap (bias and
-    ALiBi add, which passes the gradient unchanged)."""
-    d_scores = user_score_gradient(d_scores, natural, rows, cols, scoring)
+    (d_scores, natural units; scores_log2 the scores themselves, base 2): back through the
+    caller's score_mod, then the softcap (bias and ALiBi add, which passes the gradient
+    unchanged)."""
+    d_scores = user_score_gradient(d_scores, natural, scores_log2, rows, cols, scoring)
     return pre_cap_gradient(d_scores, capped_tanh, scoring.switches.capped)

@@ -17,7 +17,7 @@ functions must be elementwise.
 import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import TileLists, UserArgs, UserFunctions
-from tilegym.ops.attention.kernels.tiles import ln2, log2e
+from tilegym.ops.attention.kernels.tiles import ConstBool, ln2, log2e
 
 # Overridden in a kernel's copy by programmable.user_kernel.
 SCORE_MOD = None
@@ -50,13 +50,19 @@ def score_modified(switches):
 
 
 @ct.function
-def user_scored(scores_log2, rows, cols, switches, args):
-    """(base-2 scores after the caller's score_mod, its natural-unit input) of base-2 scores;
-    (scores_log2, 0) without one."""
+def user_scored(scores_log2, raw, scoring, rows, cols, builtin: ConstBool):
+    """(base-2 scores after the caller's score_mod, its natural-unit input) given base-2 scores
+    and the raw products q.k they come from; (scores_log2, 0) without a score_mod. builtin:
+    whether built-in modifiers changed the scores first (else the input is one multiply of the
+    raw products)."""
+    switches, args = scoring.switches, scoring.user
     score_mod = switches.user.score_mod
     if score_mod is not None:
         dtype = scores_log2.dtype
-        natural = scores_log2 * ln2(dtype)
+        if builtin:
+            natural = scores_log2 * ln2(dtype)
+        else:
+            natural = raw * (scoring.qk_scale_log2 * ln2(dtype))
         result = ct.astype(score_mod(natural, args.b, args.h, rows, cols, args.aux), dtype) * log2e(dtype)
     else:
         natural = 0
@@ -65,9 +71,10 @@ def user_scored(scores_log2, rows, cols, switches, args):
 
 
 @ct.function
-def user_score_gradient(d_scores, natural, rows, cols, scoring):
+def user_score_gradient(d_scores, natural, scores_log2, rows, cols, scoring):
     """The gradient with respect to score_mod's input from that with respect to its output,
-    by score_mod_grad; after adding the aux tensors' share (aux_grad) where there is one.
+    by score_mod_grad (given the input and the output, scores_log2 in base 2); after adding
+    the aux tensors' share (aux_grad) where there is one.
 
     aux_grad gets zeros past the last key: the dK/dV kernel computes the rows of padded keys
     unmasked (their dK and dV rows are never stored), and an aux index may well reach them."""
@@ -76,7 +83,9 @@ def user_score_gradient(d_scores, natural, rows, cols, scoring):
         if user.aux_grad is not None and args.sums_aux_grads:
             real = ct.where(cols < scoring.seqlens.k, d_scores, 0.0)
             user.aux_grad(real, natural, args.b, args.h, rows, cols, args.aux, args.aux_grads)
-        result = ct.astype(user.score_mod_grad(d_scores, natural, args.b, args.h, rows, cols, args.aux), d_scores.dtype)
+        modified = scores_log2 * ln2(scores_log2.dtype)
+        d_input = user.score_mod_grad(d_scores, natural, modified, args.b, args.h, rows, cols, args.aux)
+        result = ct.astype(d_input, d_scores.dtype)
     else:
         result = d_scores
     return result
