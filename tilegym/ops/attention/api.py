@@ -215,10 +215,6 @@ def tile_fmha_varlen(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
-    score_mod: Callable | None = None,
-    score_mod_grad: Callable | None = None,
-    aux: tuple[Tensor, ...] | None = None,
-    aux_grad: Callable | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a packed batch of variable-length sequences, differentiable with respect to
@@ -259,8 +255,7 @@ def tile_fmha_varlen(
     """
     packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-    programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, None, None, None)
-    return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, True, programs)
+    return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, differentiable=True)
 
 
 def tile_fmha_functional(
@@ -306,17 +301,16 @@ def tile_fmha_functional(
         "mask_mod": mask_mod, "mask_aux": mask_aux, "block_mask": block_mask,
     }  # fmt: skip
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        masks = [name for name in ("mask_mod", "mask_aux", "block_mask") if programs[name] is not None]
-        if masks:
-            raise ValueError(f"{', '.join(masks)}: not supported with a packed batch (cu_seqlens_q) yet")
+        given = [name for name, value in programs.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not supported with a packed batch (cu_seqlens_q) yet")
         if attn_bias is not None:
             raise ValueError(
                 "attn_bias is not supported with a packed batch (cu_seqlens_q); use window_size or alibi_slopes"
             )
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-        score_programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, None, None, None)
-        return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training, score_programs)
+        return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
             raise ValueError(f"{name} is given without cu_seqlens_q and cu_seqlens_k: a packed batch needs all four")
@@ -369,9 +363,9 @@ class _Programs:
 
     def check(self, q, problem, mod_tensors, training: bool):
         """(problem, mod_tensors) with the caller's functions and tensors, checked."""
-        if problem.packing is not None and (self.mask_mod, self.mask_aux, self.block_mask) != (None, None, None):
-            raise ValueError("mask_mod, mask_aux and block_mask are not supported with a packed batch yet")
-        mask = None if problem.packing is not None else check_block_mask(
+        if problem.packing is not None:
+            raise ValueError("score_mod, mask_mod and block_mask are not supported with a packed batch yet")
+        mask = check_block_mask(
             self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
             problem.seqlen_k,
         )  # fmt: skip
@@ -430,45 +424,29 @@ class _Packed:
     max_seqlen_k: int
 
 
-def _packed_attention(
-    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool, programs=None
-):
+def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool):
     """out [total_q, Hq, Dv], or with_lse (out, lse [Hq, total_q]), of a packed batch: through
-    autograd when differentiable and a gradient is wanted, else the forward alone. With the
-    caller's score functions (programs) it runs eagerly under torch.compile too."""
+    autograd when differentiable and a gradient is wanted, else the forward alone."""
     if not isinstance(with_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
-    if programs is not None:
-        out, lse = _packed_programmed(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs)
-    elif torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, differentiable)
     else:
         out, lse = _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable)
     return (out, lse) if with_lse else out
 
 
-@torch.compiler.disable
-def _packed_programmed(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs):
-    return _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs)
-
-
-def _packed_eager(
-    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool, programs=None
-):
+def _packed_eager(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool):
     """(out, lse or None) of a packed batch outside torch.compile."""
     problem, mod_tensors, cu_seqlens = check_packed_inputs(
         q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
         is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
     )  # fmt: skip
-    aux = () if programs is None else programs.aux_tensors()
-    needs_grad = differentiable and _needs_grad(q, k, v, mods.sinks, *aux)
-    if programs is not None:
-        problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad)
-    if needs_grad:
+    if differentiable and _needs_grad(q, k, v, mods.sinks):
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
         views = heads_major(q), heads_major(k), heads_major(v)
         launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
-        return PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens, *mod_tensors.aux)
+        return PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
     return launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
 
 
