@@ -6,7 +6,8 @@ and, for the document mask, our packed variable-length path on the same document
     python tests/benchmark/bench_programmable.py
     python tests/benchmark/bench_programmable.py --seqlens 4096 --functions softcap documents
 
-16384 tokens (batch = 16384 / S), 16 heads, D=128, bf16, causal. Each cell is the median time
+16384 tokens (batch = 16384 / S), 16 heads, D=128, bf16, causal. "relative" learns its table
+[H, 257] (its gradient summed by atomic adds), "relative-frozen" does not. Each cell is the median time
 of one training step (forward, then backward of a fixed output gradient), in ms. FlexAttention
 runs causal through its block mask (Sq = Sk: its top-left causal is ours). The document mask
 cuts each row into 4 documents at random points (a fixed seed).
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.benchmark import bench_utils  # noqa: E402
 
-FUNCTIONS = ("softcap", "alibi", "relative", "documents")
+FUNCTIONS = ("softcap", "alibi", "relative", "relative-frozen", "documents")
 HEADS, HEAD_DIM, TOKENS, CAP, MAX_DISTANCE, DOCUMENTS = 16, 128, 16384, 30.0, 128, 4
 DEFAULT_JSON = Path("bench-out") / "attention_programmable.json"
 
@@ -88,8 +89,9 @@ def providers(function: str, batch: int, seqlen: int, q, k, v):
             return score - slopes[h] * (q_idx - kv_idx).abs()
 
         theirs = lambda q, k, v: flex(q, k, v, score_mod=flex_alibi, block_mask=causal_flex)  # noqa: E731
-    elif function == "relative":
-        table = (torch.randn(HEADS, 2 * MAX_DISTANCE + 1, device="cuda") * 0.1).requires_grad_()
+    elif function in ("relative", "relative-frozen"):
+        table = torch.randn(HEADS, 2 * MAX_DISTANCE + 1, device="cuda") * 0.1
+        table.requires_grad_(function == "relative")
         relative = sf.relative_position_bias(table, MAX_DISTANCE)
         ours["function"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, **relative)
 

@@ -369,10 +369,14 @@ class _Programs:
             self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
             problem.seqlen_k,
         )  # fmt: skip
-        functions = programmable.memo_user_functions(
-            self.score_mod, self.score_mod_grad, self.aux_grad, None if mask is None else mask.mask_mod
-        )
         aux = programmable.check_aux(self.aux, q, "aux")
+        # aux_grad runs (its atomic adds cost) only where some aux tensor takes a gradient.
+        aux_grad = self.aux_grad if training and any(t.requires_grad for t in aux) else None
+        if self.aux_grad is not None and self.score_mod is None:
+            raise ValueError("aux_grad is given without score_mod")
+        functions = programmable.memo_user_functions(
+            self.score_mod, self.score_mod_grad, aux_grad, None if mask is None else mask.mask_mod
+        )
         if aux and self.score_mod is None:
             raise ValueError("aux is given without score_mod (mask_mod reads mask_aux)")
         if training and self.score_mod is not None and self.score_mod_grad is None:
