@@ -5,6 +5,7 @@ and, for the document mask, our packed variable-length path on the same document
 
     python tests/benchmark/bench_programmable.py
     python tests/benchmark/bench_programmable.py --seqlens 4096 --functions softcap documents
+    python tests/benchmark/bench_programmable.py --replot docs/benchmarks/h100/attention_programmable.json
 
 16384 tokens (batch = 16384 / S), 16 heads, D=128, bf16, causal. "relative" learns its table
 [H, 257] (its gradient summed by atomic adds), "relative-frozen" does not. Each cell is the median time
@@ -20,7 +21,6 @@ for the README.
 
 import argparse
 import gc
-import json
 import math
 import sys
 import time
@@ -193,35 +193,69 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
-    p.add_argument("--functions", nargs="+", choices=FUNCTIONS, default=list(FUNCTIONS))
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    args = p.parse_args()
-    import torch
+PREFIX = "attention_programmable"
 
+
+def to_results(rows: list[dict]) -> list:
+    """The rows as bench_utils Results (mode fwd+bwd, one per provider; the function is the
+    shape's option), for bench_utils.save_json."""
     results = []
+    for row in rows:
+        seqlen = row["seqlen"]
+        shape = bench_utils.Shape(
+            TOKENS // seqlen, HEADS, HEADS, seqlen, seqlen, HEAD_DIM, True, "bfloat16", row["function"]
+        )
+        for provider, ms in row["times"].items():
+            results.append(bench_utils.Result("fwd+bwd", provider, shape, ms=ms))
+    return results
+
+
+def from_results(results: list) -> list[dict]:
+    """to_results' rows again (for --replot)."""
+    rows = {}
+    for result in results:
+        key = (result.shape.option, result.shape.seqlen_q)
+        rows.setdefault(key, {"function": key[0], "seqlen": key[1], "times": {}})["times"][result.provider] = result.ms
+    for row in rows.values():
+        row["ratios"] = ratios(row["function"], row["times"])
+    return list(rows.values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
+    p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384], help="sequence lengths; batch = 16384 / S")
+    p.add_argument("--functions", nargs="+", choices=FUNCTIONS, default=list(FUNCTIONS), help="functions to time")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where the results go")
+    p.add_argument("--replot", type=Path, metavar="JSON", help="measure nothing: print the tables of an earlier run")
+    args = p.parse_args()
+    if args.replot:
+        results, _ = bench_utils.read_results(args.replot)
+        print(markdown(from_results(results)))
+        return
+    import torch  # noqa: F401  (after parsing: --help needs no GPU stack)
+
+    rows = []
+    started_all = time.perf_counter()
     for seqlen in args.seqlens:
         for function in args.functions:
             started = time.perf_counter()
             times = measure(function, seqlen)
             row = {"function": function, "seqlen": seqlen, "times": times, "ratios": ratios(function, times)}
-            results.append(row)
+            rows.append(row)
             shown = " ".join(f"{name}={ms:.3f}" for name, ms in times.items())
             shown_ratios = " ".join(f"{name}={value:.2f}" for name, value in row["ratios"].items())
             print(f"{function:10s} S={seqlen:6d} {shown} | {shown_ratios} ({time.perf_counter() - started:.0f} s)")
     meta = {
-        "command": " ".join(sys.argv),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        "benchmark": PREFIX,
+        **bench_utils._environment(),  # noqa: SLF001
+        "command": " ".join(["python", *sys.argv]),
         "shape": f"{TOKENS} tokens, H={HEADS}, D={HEAD_DIM}, bf16, causal",
         "unit": "ms per training step (forward + backward), median",
+        "wall_seconds": round(time.perf_counter() - started_all, 1),
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(markdown(results))
-    if any(math.isnan(ms) for row in results for ms in row["times"].values()):
+    bench_utils.save_json(to_results(rows), args.json, meta)
+    print(markdown(rows))
+    if any(math.isnan(ms) for row in rows for ms in row["times"].values()):
         sys.exit(1)
 
 

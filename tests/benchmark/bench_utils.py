@@ -73,6 +73,84 @@ def shapes(head_dims, causal_options, dtypes, seqlens=SEQLENS, gqa=False) -> lis
     return result
 
 
+# ---- the backward-speed goal --------------------------------------------------------------------
+
+# The cells the training benchmark's --goal measures: every head dim, causal and full, three
+# lengths, bf16; and at D=128, S=16384, causal: GQA 8:1 and a (1024, 0) window.
+GOAL_HEAD_DIMS = (64, 96, 128, 256)
+GOAL_SEQLENS = (1024, 4096, 16384)
+GOAL_EXTRA_SEQLEN = 16384
+# FlashAttention-4 (flash-attn-4 4.0.0b36, its Hopper kernels), measured on an H100 80GB HBM3 in
+# one process beside ours (bf16, 16384 tokens, hidden 2048, do_bench medians): the target.
+# TFLOPS (fwd, bwd, fwd+bwd) by (D, causal, S) ...
+FA4_TFLOPS = {
+    (128, False, 4096): (684, 569, 594),
+    (128, True, 4096): (597, 505, 519),
+    (128, False, 16384): (696, 533, 579),
+    (128, True, 16384): (653, 602, 538),
+    (128, True, 1024): (375, 316, 334),
+    (64, True, 4096): (442, 449, 441),
+    (64, False, 16384): (544, 537, 548),
+    (64, True, 16384): (531, 455, 456),
+}
+# ... and fwd+bwd milliseconds of causal cells by series name and S.
+FA4_FWD_BWD_MS = {
+    ("d96-causal-bfloat16", 4096): 2.03,
+    ("d256-causal-bfloat16", 4096): 2.73,
+    ("d128-causal-bfloat16-gqa8", 16384): 6.41,
+    ("d128-causal-bfloat16-window", 16384): 1.11,
+}
+
+
+def goal_shapes() -> list[Shape]:
+    """The cells of the goal (GOAL_*), in the standard series' layout (16384 tokens, hidden 2048)."""
+    result = shapes(GOAL_HEAD_DIMS, [False, True], ["bfloat16"], GOAL_SEQLENS)
+    heads = HIDDEN // 128
+    batch = TOKENS // GOAL_EXTRA_SEQLEN
+    seqlen = GOAL_EXTRA_SEQLEN
+    result.append(Shape(batch, heads, heads // GQA_RATIO, seqlen, seqlen, 128, True, "bfloat16"))
+    result.append(Shape(batch, heads, heads, seqlen, seqlen, 128, True, "bfloat16", "window"))
+    return result
+
+
+def goal_summary(results: "list[Result]") -> str:
+    """Markdown: each goal cell's fwd / bwd / fwd+bwd, ours against cuDNN (same run) and
+    FlashAttention-4's figures, and whether ours is at or above both on every mode."""
+    index = {(r.mode, r.shape.series, r.shape.seqlen_q, r.provider): r for r in results}
+    cells = sorted({(r.shape.series, r.shape.seqlen_q, r.shape.head_dim, r.shape.causal) for r in results})
+    lines = [
+        "| series | S | ours TFLOPS fwd / bwd / fwd+bwd | cuDNN | ours / cuDNN | FA4 | ours / FA4 | at or above both |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    modes = tuple(MODE_FLOP_FACTOR)
+    for series, seqlen, head_dim, causal in cells:
+        ours = [index.get((mode, series, seqlen, "cutile")) for mode in modes]
+        cudnn = [index.get((mode, series, seqlen, "cudnn")) for mode in modes]
+        fa4 = FA4_TFLOPS.get((head_dim, causal, seqlen)) if series.endswith("-bfloat16") else None
+        ours_t = [r.tflops if r and r.tflops else None for r in ours]
+        cudnn_t = [r.tflops if r and r.tflops else None for r in cudnn]
+
+        def join(values, fmt="{:.0f}"):
+            return " / ".join(fmt.format(v) if v else "-" for v in values)
+
+        vs_cudnn = [o / c if o and c else None for o, c in zip(ours_t, cudnn_t, strict=True)]
+        if fa4:
+            vs_fa4 = [o / f if o else None for o, f in zip(ours_t, fa4, strict=True)]
+            fa4_text = join(fa4)
+        else:
+            target_ms = FA4_FWD_BWD_MS.get((series, seqlen))
+            ours_ms = ours[-1].ms if ours[-1] else None
+            vs_fa4 = [None, None, target_ms / ours_ms if target_ms and ours_ms else None]
+            fa4_text = f"fwd+bwd {target_ms} ms" if target_ms else "-"
+        known = [v for v in vs_cudnn + vs_fa4 if v is not None]
+        meets = "yes" if known and all(v >= 1.0 for v in known) else "no" if known else "-"
+        lines.append(
+            f"| {series} | {seqlen} | {join(ours_t)} | {join(cudnn_t)} | {join(vs_cudnn, '{:.2f}x')} | {fa4_text} | "
+            f"{join(vs_fa4, '{:.2f}x')} | {meets} |"
+        )
+    return "\n".join(lines)
+
+
 # ---- score modifiers ----------------------------------------------------------------------------
 
 # Each option's keyword arguments, as a model would use them: a trainable full bias, a key
@@ -535,6 +613,7 @@ BENCHMARK_SCRIPTS = {
     "attention_training": "bench_attention_backward.py",
     "attention_inference": "bench_attention.py",
     "attention_variants": "bench_attention_variants.py",
+    "attention_programmable": "bench_programmable.py",
 }
 
 
@@ -922,6 +1001,10 @@ def parser(description: str, modes: tuple[str, ...], prefix: str, first_call: bo
                    "files (several are merged)")  # fmt: skip
     if first_call:
         p.add_argument("--no-first-call", action="store_true", help="leave out the first-step times")
+        p.add_argument("--goal", action="store_true",
+                       help="the goal's cells instead of the series: D in 64 96 128 256, causal and full, S in 1024 "
+                       "4096 16384, bf16, and GQA 8:1 and a (1024, 0) window at D=128 S=16384; prints each "
+                       "against cuDNN and FlashAttention-4's figures")  # fmt: skip
     return p
 
 
@@ -949,12 +1032,16 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
     seqlens, dtypes, gqa = args.seqlens, args.dtypes, not args.no_gqa
     if args.quick:
         seqlens, dtypes, gqa = list(QUICK_SEQLENS), ["bfloat16"], False
-    shape_list = shapes(args.head_dims, causal_options(args.causal), dtypes, seqlens, gqa)
+    goal = getattr(args, "goal", False)
+    shape_list = goal_shapes() if goal else shapes(args.head_dims, causal_options(args.causal), dtypes, seqlens, gqa)
     started = time.perf_counter()
     results = run_all(args.modes, args.providers, shape_list, training_forward)
     elapsed = time.perf_counter() - started
     print()
     print(table(results))
+    if goal:
+        print()
+        print(goal_summary(results))
     _print_first_call(meta)
     meta.update({"command": " ".join(_argv()), "wall_seconds": round(elapsed, 1)})
     save_json(results, args.out / f"{prefix}.json", meta)

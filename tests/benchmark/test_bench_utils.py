@@ -192,3 +192,35 @@ def test_bench_figures_read_well(tmp_path, monkeypatch):
     assert sorted(text.get_text() for text in axis.texts) == ["1.25x time", "1.50x time"]
     axis, footer, _ = seen["attention_training-overview-ours_vs_cuDNN.png"]
     assert [text.get_text() for text in axis.texts] == ["0.80", "0.80", "0.80"]  # ours / cuDNN per length
+
+
+def test_goal_cells_and_summary():
+    """--goal measures every cell of the backward-speed goal, and its summary says per cell
+    whether ours is at or above cuDNN (same run) and FlashAttention-4's figures."""
+    shapes = bench_utils.goal_shapes()
+    plain = [s for s in shapes if not s.option and s.q_heads == s.kv_heads]
+    assert len(plain) == 4 * 2 * 3
+    assert {(s.head_dim, s.causal, s.seqlen_q) for s in plain} == {
+        (d, c, n) for d in (64, 96, 128, 256) for c in (False, True) for n in (1024, 4096, 16384)
+    }
+    assert all(s.batch * s.seqlen_q == 16384 and s.q_heads == 2048 // s.head_dim for s in shapes)
+    extra = {s.series for s in shapes} - {s.series for s in plain}
+    assert extra == {"d128-causal-bfloat16-gqa8", "d128-causal-bfloat16-window"}
+
+    def result(provider, shape, mode, tflops, ms=1.0):
+        return bench_utils.Result(mode, provider, shape, ms=ms, tflops=tflops)
+
+    cell = next(s for s in plain if (s.head_dim, s.causal, s.seqlen_q) == (128, True, 4096))
+    d96 = next(s for s in plain if (s.head_dim, s.causal, s.seqlen_q) == (96, True, 4096))
+    results = [
+        result("cutile", cell, mode, t) for mode, t in zip(("fwd", "bwd", "fwd+bwd"), (600, 510, 530), strict=True)
+    ]
+    results += [
+        result("cudnn", cell, mode, t) for mode, t in zip(("fwd", "bwd", "fwd+bwd"), (558, 429, 459), strict=True)
+    ]
+    results += [result("cutile", d96, mode, 300, ms=2.5) for mode in ("fwd", "bwd", "fwd+bwd")]
+    summary = bench_utils.goal_summary(results).splitlines()
+    row_128 = next(line for line in summary if line.startswith("| d128-causal-bfloat16 | 4096"))
+    assert "597 / 505 / 519" in row_128 and row_128.endswith("| yes |")
+    row_96 = next(line for line in summary if line.startswith("| d96-causal-bfloat16 | 4096"))
+    assert "fwd+bwd 2.03 ms" in row_96 and "0.81x" in row_96 and row_96.endswith("| no |")  # 2.03 / 2.5
