@@ -71,6 +71,19 @@ def _alibi_step(dtype):
     _training_step(dtype, alibi_slopes=slopes)
 
 
+def _relative_in_documents_step(dtype):
+    """A training step with a learnable relative-position table (aux_grad's atomic adds) and a
+    document mask (the block mask's sorting kernel and tile lists)."""
+    import torch
+
+    from tilegym.ops.attention import score_functions
+
+    s = _SHAPE["seqlen"]
+    table = torch.randn(_SHAPE["heads"], 33, device="cuda", requires_grad=True)
+    ids = (torch.arange(s, device="cuda", dtype=torch.int32) * 3 // s)[None]  # 3 documents
+    _training_step(dtype, **score_functions.relative_position_bias(table, 16), **score_functions.document_mask(ids))
+
+
 def _packed_step(dtype, cu_seqlens: list[int], max_seqlen: int, total: int):
     """A training step of a packed batch (tile_fmha_varlen) with these cumulative lengths, which
     may be inconsistent (decreasing, past the end, longer than max_seqlen): the kernels clamp
@@ -100,6 +113,7 @@ CASES = {
     "window_bf16": lambda: _training_step(_bf16(), window_size=(17, 3), is_causal=False),
     "softcap_bf16": lambda: _training_step(_bf16(), softcap=20.0),
     "alibi_bf16": lambda: _alibi_step(_bf16()),
+    "score_and_mask_functions_bf16": lambda: _relative_in_documents_step(_bf16()),
     "varlen_bf16": lambda: _packed_step(_bf16(), [0, 0, 1, 131, 198, 198], 130, 205),
     "varlen_inconsistent_bf16": lambda: _packed_step(_bf16(), [3, 150, 40, 400, -7, 2**31 - 1], 64, 205),
     # The smallest kernels that show how racecheck reads cuTile's loads (sanitizer_repro.py).
