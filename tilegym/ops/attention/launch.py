@@ -451,8 +451,10 @@ def compile_backward_ahead(
         lse = row_stat(problem, q.device)
         dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
         row_grads = _row_gradients(launcher, None, sinks_grad, q.device)
+        # The aux gradients' buffers too: their shapes are part of the dK/dV kernel's signature.
+        d_aux = _aux_gradients(problem, mod_tensors)
         steps, _ = _backward_steps(
-            launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens
+            launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
         )
     except torch.cuda.OutOfMemoryError:
         return
