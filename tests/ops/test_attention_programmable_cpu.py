@@ -169,3 +169,36 @@ def test_ready_made_functions_compile_into_every_kernel(name):
             text = sass.disassemble(path)
             assert "HGMMA" in text
             assert not sass.matmuls_serialized(text), f"{name}: {variant} waits for each matmul alone"
+
+
+def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch):
+    """With a score function whose table takes a gradient, compile_backward_ahead starts the very
+    kernels (the copies with the functions) and argument layouts the backward launches, the aux
+    gradients' buffers included; and the launched dK/dV kernel writes into a buffer of the
+    table's shape, zeroed right before it."""
+    import collections
+
+    from tests.ops.test_attention_cpu import _layout, _RecordingLauncher
+    from tilegym.ops.attention import launch
+    from tilegym.ops.attention import problem as problem_mod
+    from tilegym.ops.attention.score_mods import ModTensors
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    monkeypatch.setattr(launch, "_compiled_ahead", collections.OrderedDict())
+    _RecordingLauncher.launches, _RecordingLauncher.compiled_ahead = [], []
+    q, k, v = (torch.randn(1, heads, 40, 64, dtype=torch.bfloat16) for heads in (4, 2, 2))
+    table = torch.randn(4, 17)
+    relative = score_functions.relative_position_bias(table, 8)
+    functions = programmable.user_functions(relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"])
+    problem = problem_mod.AttentionProblem(1, 4, 2, 40, 40, 64, torch.bfloat16, 0.125, True, ScoreMods(user=functions))
+    tensors = ModTensors(aux=(table,))
+    launch.compile_backward_ahead(q, k, v, problem, tensors)
+    out, lse = torch.randn(1, 4, 40, 64, dtype=torch.bfloat16), torch.randn(1, 4, 40)
+    gradients = launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=tensors)
+
+    ahead, launched = _RecordingLauncher.compiled_ahead, _RecordingLauncher.launches
+    assert [name for name, *_ in launched] == [BACKWARD_DQ, BACKWARD_DKDV]
+    for (name, kernel, grid, args, _), (_, made_kernel, made_grid, made_args, _) in zip(ahead, launched, strict=True):
+        assert kernel is made_kernel and functions.fingerprint[:24] in kernel._pyfunc.__qualname__, name
+        assert grid == made_grid and [_layout(a) for a in args] == [_layout(a) for a in made_args], name
+    assert gradients.d_aux[0].shape == table.shape and torch.equal(gradients.d_aux[0], torch.zeros_like(table))
