@@ -31,6 +31,17 @@ Score modifiers, keyword arguments of every function (score_mods.py has the exac
   a value (gpt-oss): ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``. The LSE includes
   it, so a row that sees no key has LSE ``sink_h``. It receives a gradient when it requires one,
   summed over batch and rows in a fixed order.
+
+Score and mask functions written in cuTile, inlined into the kernels (dense batches;
+programmable.py and docs/attention.md have the contract):
+
+- score_mod ``(score, b, h, q_idx, kv_idx, aux) -> score`` on natural-unit fp32 score tiles,
+  applied after the modifiers above; score_mod_grad ``(grad, score, out, b, h, q_idx, kv_idx,
+  aux) -> grad`` its derivative, required for training.
+- aux: up to 4 tensors score_mod reads; aux_grad ``(grad, score, b, h, q_idx, kv_idx, aux,
+  aux_grads)`` adds their gradients into aux_grads.
+- mask_mod ``(b, h, q_idx, kv_idx, mask_aux) -> bool`` with mask_aux, or block_mask, a
+  create_block_mask result reused across calls; and-ed with is_causal and window_size.
 """
 
 import dataclasses
@@ -80,6 +91,8 @@ def tile_fmha(
         scaling: the softmax scale (SDPA's ``scale``); None: ``1 / sqrt(D)``.
         is_causal: bottom-right causal masking. Defaults to True (SDPA: False).
         attn_bias, window_size, softcap, alibi_slopes: score modifiers (see the module docstring).
+        score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask: score and mask
+            functions in cuTile (see the module docstring).
         sinks: ``[Hq]`` one learnable logit per query head that joins each row's softmax
             denominator (gpt-oss); any float dtype, read as float32.
 
