@@ -202,3 +202,19 @@ def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch):
         assert kernel is made_kernel and functions.fingerprint[:24] in kernel._pyfunc.__qualname__, name
         assert grid == made_grid and [_layout(a) for a in args] == [_layout(a) for a in made_args], name
     assert gradients.d_aux[0].shape == table.shape and torch.equal(gradients.d_aux[0], torch.zeros_like(table))
+
+
+@pytest.mark.parametrize("name", [name for name, (_, _, masks) in _READY_MADE.items() if masks])
+def test_ready_made_masks_compile_into_the_sorting_kernel(name):
+    """The kernel that sorts a block mask's tiles compiles with each ready-made mask for sm_90."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint, export_kernel
+
+    from tilegym.ops.attention.kernels.block_mask import block_mask_kernel
+
+    kwargs, arrays, _ = _READY_MADE[name]
+    kernel = programmable.user_kernel(block_mask_kernel, programmable.user_functions(mask_mod=kwargs["mask_mod"]))
+    aux = [sass.array_constraint(*arrays.get(f"MaskAux{slot}", (ct.float32, 1))) for slot in range(4)]
+    parameters = [sass.array_constraint(ct.int8, 4), *aux, *[ScalarConstraint(ct.int32)] * 4, 128, 64, True, False]
+    signature = KernelSignature(parameters, CallingConvention.cutile_python_v2()).with_mangled_symbol("sort_tiles")
+    with tempfile.TemporaryDirectory() as workdir:
+        export_kernel(kernel, [signature], str(Path(workdir) / "k.cubin"), gpu_code="sm_90", output_format="cubin")
