@@ -1,23 +1,6 @@
 """Public entry points of every op."""
 
-from tilegym.ops.attention import (
-    BlockMask,
-    UserFunctionError,
-    create_block_mask,
-    fmha_forward_with_lse,
-    tile_fmha,
-    tile_fmha_functional,
-    tile_fmha_varlen,
-    tile_fmha_with_backward,
-)
+from tilegym.ops import attention
+from tilegym.ops.attention import *  # noqa: F403  (the names of attention.__all__)
 
-__all__ = [
-    "tile_fmha",
-    "fmha_forward_with_lse",
-    "tile_fmha_with_backward",
-    "tile_fmha_functional",
-    "tile_fmha_varlen",
-    "create_block_mask",
-    "BlockMask",
-    "UserFunctionError",
-]
+__all__ = list(attention.__all__)
