@@ -151,10 +151,10 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
     }
 
 
-def _tile_list_arguments(problem: AttentionProblem, mask: BlockMask | None, config, key_major: bool, device) -> dict:
+def _tile_list_arguments(problem: AttentionProblem, mask: BlockMask | None, config, key_major: bool, device):
     """A block mask's lists for a launch with this config (placeholders without a mask)."""
     if mask is None:
-        return {"MaskCounts": _unused(device, 4, torch.int32), "MaskTiles": _unused(device, 5, torch.int32)}
+        return _no_user_arguments(device)["tile_lists"]
     lists = mask.tile_lists(config.block_m, config.block_n, mask_rule(problem), key_major)
     return {"MaskCounts": lists.counts, "MaskTiles": lists.tiles}
 
@@ -169,14 +169,34 @@ def mask_rule(problem: AttentionProblem) -> MaskRule:
     return MaskRule(problem.causal and mods.window is None, mods.window is not None, left, right)
 
 
-def _user_arguments(problem: AttentionProblem, tensors: ModTensors, device) -> dict:
+def _user_arguments(tensors: ModTensors, device):
     """The caller's tensors for its functions (programmable.py), placeholders in unused slots."""
+    if tensors.block_mask is None and not tensors.aux:
+        return _no_user_arguments(device)["tensors"]
     mask_aux = () if tensors.block_mask is None else tensors.block_mask.mask_aux
-    values = {"block_sparse": tensors.block_mask is not None}
-    for prefix, given in (("Aux", tensors.aux), ("MaskAux", mask_aux)):
-        for slot in range(programmable.AUX_SLOTS):
-            values[f"{prefix}{slot}"] = given[slot] if slot < len(given) else _unused(device, 1)
-    return values
+    return {"block_sparse": tensors.block_mask is not None, **_slots("Aux", tensors.aux, device),
+            **_slots("MaskAux", mask_aux, device)}  # fmt: skip
+
+
+def _aux_grad_arguments(d_aux: tuple | None, device):
+    """The dK/dV kernel's AuxGrad slots: the aux gradients' buffers, placeholders where unused."""
+    return _no_user_arguments(device)["aux_grads"] if not d_aux else _slots("AuxGrad", d_aux, device)
+
+
+def _slots(prefix: str, given: tuple, device) -> dict:
+    """Arguments prefix0 ... prefix{AUX_SLOTS - 1}: the given tensors, then placeholders."""
+    return {f"{prefix}{slot}": given[slot] if slot < len(given) else _unused(device, 1)
+            for slot in range(programmable.AUX_SLOTS)}  # fmt: skip
+
+
+@cache
+def _no_user_arguments(device: torch.device) -> MappingProxyType:
+    """The arguments of the caller's functions for a call without any, made once per device
+    (every launch reads them): its tensors, tile lists and aux gradients, each by name."""
+    lists = {"MaskCounts": _unused(device, 4, torch.int32), "MaskTiles": _unused(device, 5, torch.int32)}
+    tensors = {"block_sparse": False, **_slots("Aux", (), device), **_slots("MaskAux", (), device)}
+    parts = {"tensors": tensors, "tile_lists": lists, "aux_grads": _slots("AuxGrad", (), device)}
+    return MappingProxyType({name: MappingProxyType(part) for name, part in parts.items()})
 
 
 def classify_tiles(mask: BlockMask, block_m: int, block_n: int, rule: MaskRule) -> torch.Tensor:
@@ -271,8 +291,7 @@ def forward(
         **_modifier_arguments(problem, mod_tensors, q),
         **_packing_arguments(problem, cu_seqlens, device),
     }
-    if "block_sparse" in parameter_names(VARIANTS[name].kernel):
-        values.update(_user_arguments(problem, mod_tensors, device))
+    values.update(_user_arguments(mod_tensors, device))
     with programmable.naming_errors(problem.mods.user):
         launcher.launch(launcher.tuned(name, values))
     return out, lse
@@ -538,7 +557,7 @@ def _backward_steps(
         **split_arguments(softmax_scale=problem.softmax_scale, qk_scale_log2=problem.softmax_scale * LOG2E),
         **_modifier_arguments(problem, mod_tensors, q),
         **_packing_arguments(problem, cu_seqlens, device),
-        **_user_arguments(problem, mod_tensors, device),
+        **_user_arguments(mod_tensors, device),
     }
     dkdv_values = {
         **shared,
@@ -547,9 +566,8 @@ def _backward_steps(
         "DQSum": targets.dq if fused else q,  # an unused placeholder without fusion
         "DBias": q if d_bias is None else d_bias,
         "bias_grad": BIAS_NONE if d_bias is None else problem.mods.bias_mode,
-        **{f"AuxGrad{slot}": d_aux[slot] if d_aux and slot < len(d_aux) else _unused(device, 1)
-           for slot in range(programmable.AUX_SLOTS)},
-    }  # fmt: skip
+        **_aux_grad_arguments(d_aux, device),
+    }
     if fused:
         # Every dK/dV program needs the row statistics of every query tile: a kernel of their own.
         preprocess = launcher.tuned(
