@@ -306,7 +306,7 @@ def tile_fmha_functional(
     batch, as tile_fmha_varlen takes it (no attn_bias); training=False then returns the same
     values without a gradient."""
     if training is None:
-        training = _needs_grad(q, k, v, attn_bias, sinks, *(aux if isinstance(aux, (tuple, list)) else (aux,)))
+        training = _needs_grad(q, k, v, attn_bias, sinks, *_Programs.aux_tensors_of(aux))
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
     programs = {
@@ -372,7 +372,12 @@ class _Programs:
         return None if all(value is None for value in given) else cls(*given)
 
     def aux_tensors(self) -> tuple:
-        return tuple(self.aux) if isinstance(self.aux, (tuple, list)) else () if self.aux is None else (self.aux,)
+        return self.aux_tensors_of(self.aux)
+
+    @staticmethod
+    def aux_tensors_of(aux) -> tuple:
+        """aux as given (None, one tensor, a tuple or a list) as a tuple, unchecked."""
+        return tuple(aux) if isinstance(aux, (tuple, list)) else () if aux is None else (aux,)
 
     def check(self, q, problem, mod_tensors, training: bool):
         """(problem, mod_tensors) with the caller's functions and tensors, checked."""
