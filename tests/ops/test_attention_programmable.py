@@ -14,7 +14,7 @@ import cuda.tile as ct
 import pytest
 import torch
 
-from tests.ops.attention_cases import Case, assert_close_to_reference, max_error
+from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error
 from tests.ops.conftest import requires_cuda
 from tilegym import (
     UserFunctionError,
@@ -41,15 +41,6 @@ def _poison_allocator():
     """Fill the blocks the caching allocator will hand out next with NaN."""
     filler = torch.full((64 * 1024 * 1024,), math.nan, device="cuda")
     del filler
-
-
-def _inputs(case: Case, dtype):
-    shapes = [
-        (case.batch, case.q_heads, case.seqlen_q, case.head_dim),
-        (case.batch, case.kv_heads, case.seqlen_k, case.head_dim),
-        (case.batch, case.kv_heads, case.seqlen_k, case.head_dim),
-    ]
-    return [torch.randn(s, dtype=dtype, device="cuda") for s in shapes]
 
 
 def _positions(case: Case):
@@ -162,7 +153,7 @@ def _reference(q, k, v, causal, ref_kwargs, learnable, compute_dtype):
 
 
 def check_case(case: Case, dtype, causal: bool, build):
-    q, k, v = _inputs(case, dtype)
+    q, k, v = make_inputs(case, dtype)
     ours_kwargs, ref_kwargs, learnable = build(case, dtype)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     d_out = torch.randn_like(q)
@@ -218,7 +209,7 @@ def test_op_attention_programmable_gradcheck():
     """float64 gradcheck of a score function (softcap) in q, k, v, and of an aux gradient (a
     relative-position table)."""
     case = Case("tiny", 1, 2, 1, 9, 11, 32)
-    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.float64))
+    q, k, v = make_inputs(case, torch.float64, requires_grad=True)
     capped = sf.softcap(2.0, approximate=False)
     assert torch.autograd.gradcheck(
         lambda q, k, v: tile_fmha_with_backward(q, k, v, is_causal=True, **capped), (q, k, v), eps=1e-6, atol=1e-7
@@ -235,7 +226,7 @@ def test_op_attention_programmable_gradcheck():
 def test_op_attention_programmable_public_functions():
     """Every public function takes the functions, and gives the same values."""
     case, causal, build = CASES["relative-in-documents-causal"]
-    q, k, v = _inputs(case, torch.bfloat16)
+    q, k, v = make_inputs(case, torch.bfloat16)
     kwargs, _, _ = build(case, torch.bfloat16)
     trained, trained_lse = tile_fmha_with_backward(q, k, v, is_causal=causal, return_lse=True, **kwargs)
     inferred = tile_fmha(q, k, v, is_causal=causal, **kwargs)
@@ -252,7 +243,7 @@ def test_op_attention_block_mask_reused():
     """A block mask made once serves forward and backward of later calls: its tile lists are
     made on first use per tiling and not again; results are bitwise repeatable."""
     case = DOCS
-    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.bfloat16))
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
     docs = sf.document_mask(_doc_ids(case))
     mask = create_block_mask(
         docs["mask_mod"], case.batch, None, case.seqlen_q, case.seqlen_k, mask_aux=docs["mask_aux"]
@@ -290,7 +281,7 @@ def test_op_attention_block_mask_skips_empty_tiles():
     causal = mask.tile_lists(64, 64, MaskRule(True, False, 512, 512), key_major=True)
     # Key tile 1 (keys 64-127): seen in full by query tile 1 (diagonal: partly), 1 only.
     assert causal.counts[0, 0].tolist() == [[1, 1], [1, 0], [1, 1], [1, 0]]
-    q, k, v = _inputs(case, torch.bfloat16)
+    q, k, v = make_inputs(case, torch.bfloat16)
     out = tile_fmha(q, k, v, is_causal=False, block_mask=mask)
     visible = ids[0, :, None] == ids[0, None, :]
     ref, _ = attention_reference(q, k, v, is_causal=False, attn_bias=_hide(visible))
@@ -301,7 +292,7 @@ def test_op_attention_programmable_kernels_are_keyed_by_function():
     """Two functions that differ only in a closed-over constant get different kernels and
     results; the same function defined twice shares one."""
     case = ODD
-    q, k, v = _inputs(case, torch.bfloat16)
+    q, k, v = make_inputs(case, torch.bfloat16)
     outs = {cap: tile_fmha(q, k, v, is_causal=False, **sf.softcap(cap)) for cap in (1.0, 8.0)}
     refs = {cap: attention_reference(q, k, v, is_causal=False, softcap=cap)[0] for cap in (1.0, 8.0)}
     for cap in outs:
@@ -318,7 +309,7 @@ def _not_compilable(score, b, h, q_idx, kv_idx, aux):
 def test_op_attention_programmable_compile_error_names_the_function():
     """A function cuTile cannot compile is a UserFunctionError naming it and its file before any
     launch; the GPU stays usable."""
-    q, k, v = _inputs(ODD, torch.bfloat16)
+    q, k, v = make_inputs(ODD, torch.bfloat16)
     with pytest.raises(UserFunctionError, match=r"_not_compilable.*test_attention_programmable\.py:\d+"):
         tile_fmha(q, k, v, score_mod=_not_compilable)
     out = tile_fmha(q, k, v, is_causal=False, **sf.softcap(4.0))
@@ -327,7 +318,7 @@ def test_op_attention_programmable_compile_error_names_the_function():
 
 
 def test_op_attention_programmable_bad_arguments():
-    q, k, v = (t.requires_grad_() for t in _inputs(ODD, torch.bfloat16))
+    q, k, v = make_inputs(ODD, torch.bfloat16, requires_grad=True)
     capped = sf.softcap(4.0)
     with pytest.raises(ValueError, match="score_mod_grad"):
         tile_fmha_with_backward(q, k, v, score_mod=capped["score_mod"])
@@ -362,7 +353,7 @@ def test_op_attention_programmable_in_a_cuda_graph():
     """A training step with a score function (its table learnable) and a block mask, captured and
     replayed on new inputs, gives the eager step's values."""
     case, causal, build = CASES["relative-in-documents-causal"]
-    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.bfloat16))
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
     kwargs, _, (table,) = build(case, torch.bfloat16)
     mask = create_block_mask(kwargs.pop("mask_mod"), case.batch, None, case.seqlen_q, case.seqlen_k,
                              mask_aux=kwargs.pop("mask_aux"))  # fmt: skip
@@ -410,7 +401,7 @@ def test_op_attention_programmable_under_torch_compile():
     """torch.compile runs a call with module-level functions (eagerly, at a graph break) and
     gives the eager values and gradients."""
     case = GQA
-    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.bfloat16))
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
     slopes = torch.rand(case.q_heads, device="cuda") * 0.1
     kwargs = sf.alibi(slopes, case.seqlen_q, case.seqlen_k)
 
@@ -430,7 +421,7 @@ def test_op_attention_mask_mod_sees_real_batch_and_head():
     """mask_mod gets each program's batch entry and query head: a mask hiding odd keys for head
     1 of batch entry 1 only."""
     case = Case("bh", 2, 2, 1, 70, 70, 64)
-    q, k, v = _inputs(case, torch.bfloat16)
+    q, k, v = make_inputs(case, torch.bfloat16)
 
     def odd_keys_hidden_for_b1_h1(b, h, q_idx, kv_idx, mask_aux):
         return ((kv_idx & 1) == 0) | (b != 1) | (h != 1)
@@ -445,7 +436,7 @@ def test_op_attention_mask_mod_sees_real_batch_and_head():
 def test_op_attention_score_mod_sees_indices():
     """score_mod gets q_idx and kv_idx as positions in the call (Sq != Sk) in every kernel."""
     case = Case("idx", 1, 2, 2, 50, 90, 64)
-    q, k, v = (t.requires_grad_() for t in _inputs(case, torch.float32))
+    q, k, v = make_inputs(case, torch.float32, requires_grad=True)
 
     def position_bias(score, b, h, q_idx, kv_idx, aux):
         return score + ct.astype(q_idx * 3 - kv_idx * 2 + h, score.dtype) * 0.01
