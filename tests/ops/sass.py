@@ -93,24 +93,31 @@ def signature(
     switches=None,
     wide=False,
     arrays=None,
+    value_dim=None,
 ) -> KernelSignature:
     """A variant's signature for one launch, built from its kernel's parameter names and annotations.
 
     The variant's pinned parameters (Variant.fixed) are constants; switches overrides entries
     of PLAIN (the score modifiers' switches); wide gives every array int64 sizes and strides
     (index_width.wide's twin of the kernel); arrays maps parameter names to (dtype, ndim) of
-    other arrays than the defaults (the caller's aux tensors, say). Only the head-dim tile enters
-    the code: head dims with the same tile (80, 96 and 128) compile to the same cubin.
+    other arrays than the defaults (the caller's aux tensors, say); value_dim: V's head dim (head_dim
+    when None). Only the head-dim tiles enter the code: head dims with the same tiles (80 and
+    128) compile to the same cubin.
     """
     index_dtype = ct.int64 if wide else ct.int32
     variant = VARIANTS[name]
     stat_dtype = ct.float64 if dtype == ct.float64 else ct.float32
+    value_dim = value_dim or head_dim
+    # Kernels without block_dv_tail (the preprocess) take V's head dim as one padded tile.
+    block_dv, block_dv_tail = configs.head_dim_tiles(value_dim) if takes(name, "block_dv_tail") else (
+        configs.head_dim_tile(value_dim), 0)  # fmt: skip
     constants = {
         "block_m": config.block_m,
         "block_n": config.block_n,
         "block_d": configs.head_dim_tiles(head_dim)[0],
         "block_d_tail": configs.head_dim_tiles(head_dim)[1],
-        "block_dv": configs.head_dim_tile(head_dim),
+        "block_dv": block_dv,
+        "block_dv_tail": block_dv_tail,
         "causal": causal,
         **PLAIN,
         **variant.fixed,
@@ -152,14 +159,23 @@ def signature(
 
 
 def compile_cubin(
-    name: str, dtype, head_dim: int, config, causal: bool, arch: str, path: Path, switches=None, wide=False
+    name: str,
+    dtype,
+    head_dim: int,
+    config,
+    causal: bool,
+    arch: str,
+    path: Path,
+    switches=None,
+    wide=False,
+    value_dim=None,
 ) -> Path:
     """Compile a variant for one launch signature (see signature) to a cubin at path."""
     kernel = VARIANTS[name].kernel
     kernel = autotune.with_hints(index_width.wide(kernel) if wide else kernel, config)
     export_kernel(
         kernel,
-        [signature(name, dtype, head_dim, config, causal, switches, wide)],
+        [signature(name, dtype, head_dim, config, causal, switches, wide, value_dim=value_dim)],
         str(path),
         gpu_code=arch,
         output_format="cubin",

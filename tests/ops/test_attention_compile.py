@@ -173,8 +173,8 @@ def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches,
 
 
 # V's head dim narrower and wider than Q's (tables by the wider: configs.candidates); 192 runs
-# as 128 + 64 (configs.SPLIT_HEAD_DIMS).
-VALUE_DIMS = [(128, 64), (64, 128), (256, 128), (192, 128), (192, 192)]
+# as 128 + 64 and 96 as 64 + 32 (configs.SPLIT_HEAD_DIMS).
+VALUE_DIMS = [(128, 64), (64, 128), (256, 128), (192, 128), (192, 192), (96, 96), (128, 96)]
 
 
 VALUE_DIM_MATRIX = [
@@ -194,8 +194,8 @@ def test_op_attention_value_dim_compiles(kernel, head_dim, value_dim, tmp_path):
     """A V head dim other than Q's compiles for sm_90 with the first config of the wider's table,
     keeping the SASS checks."""
     chosen = configs.candidates(kernel, "sm_90", max(head_dim, value_dim), 2)
-    switches = {"block_dv": configs.head_dim_tile(value_dim)}
-    cubin = sass.compile_cubin(kernel, ct.bfloat16, head_dim, chosen[0], True, "sm_90", tmp_path / "k.cubin", switches)
+    path = tmp_path / "k.cubin"
+    cubin = sass.compile_cubin(kernel, ct.bfloat16, head_dim, chosen[0], True, "sm_90", path, value_dim=value_dim)
     _check_sass(kernel, sass.disassemble(cubin))
 
 

@@ -75,9 +75,11 @@ def test_op_head_dim_tile(head_dim, tile):
     assert configs.head_dim_tile(head_dim) == tile
 
 
-@pytest.mark.parametrize("head_dim, tiles", [(64, (64, 0)), (96, (128, 0)), (192, (128, 64)), (256, (256, 0))], ids=str)
+@pytest.mark.parametrize(
+    "head_dim, tiles", [(64, (64, 0)), (80, (128, 0)), (96, (64, 32)), (192, (128, 64)), (256, (256, 0))], ids=str
+)
 def test_op_head_dim_tiles(head_dim, tiles):
-    """192 runs as a 128-wide tile and a 64-wide tail; the tail starts at a whole number of its
+    """192 runs as a 128-wide tile and a 64-wide tail, 96 as 64 + 32; the tail starts at a whole number of its
     own tiles (kernels/head.py indexes it so), and the two cover the head dim exactly."""
     block_d, tail = configs.head_dim_tiles(head_dim)
     assert (block_d, tail) == tiles

@@ -37,14 +37,15 @@ def head_dim_tile(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
 
-# Head dims of Q and K that the kernels tile as a main tile and a tail (kernels/head.py) instead of
-# one tile padded to the next power of two: 192 = 128 + 64 does a quarter less work in every
-# matmul over D than 256 (perf-notes#split-head-dim). Config tables stay those of the padded tile.
-SPLIT_HEAD_DIMS = {192: (128, 64)}
+# Head dims that the kernels tile as a main tile and a tail (kernels/head.py) instead of one tile
+# padded to the next power of two: 192 = 128 + 64 and 96 = 64 + 32 do a quarter less work in every
+# matmul over that dim (perf-notes#split-head-dim). The same split serves the head dim of Q and K
+# and that of V. Config tables stay those of the padded tile.
+SPLIT_HEAD_DIMS = {96: (64, 32), 192: (128, 64)}
 
 
 def head_dim_tiles(head_dim: int) -> tuple[int, int]:
-    """(block_d, block_d_tail) of Q's and K's head dim: the tail 0 where one tile holds it."""
+    """(main tile, tail) of a head dim, Q's and K's or V's: the tail 0 where one tile holds it."""
     return SPLIT_HEAD_DIMS.get(head_dim, (head_dim_tile(head_dim), 0))
 
 

@@ -91,7 +91,7 @@ class _Launcher(TunedLauncher):
         heads = problem.q_heads if variant.heads == "query" else problem.kv_heads
         block = "block_m" if variant.tiles == "query" else "block_n"
         late = ("block_m", "block_n", "MaskCounts", "MaskTiles") if takes_user else ("block_m", "block_n")
-        named = NamedArguments(kernel, {**values, **variant.fixed}, late=late)
+        named = NamedArguments(kernel, {**values, **_value_tiles(problem, kernel), **variant.fixed}, late=late)
         mask = self.block_mask
 
         tiles = packing.tiles if problem.packing else lambda length, size: math.ceil(length / size)
@@ -127,6 +127,17 @@ def _dense_packing_arguments(device: torch.device) -> MappingProxyType:
     )
 
 
+def _value_tiles(problem: AttentionProblem, kernel) -> dict:
+    """block_dv, and block_dv_tail, of a kernel that tiles V's head dim: split as Q's
+    (configs.head_dim_tiles) where the kernel takes a tail, else one tile padded to a power of two
+    (the forward, kernels/forward.py says why, and the row reductions)."""
+    names = parameter_names(kernel)
+    if "block_dv_tail" in names:
+        block_dv, block_dv_tail = configs.head_dim_tiles(problem.value_dim)
+        return {"block_dv": block_dv, "block_dv_tail": block_dv_tail}
+    return {"block_dv": configs.head_dim_tile(problem.value_dim)} if "block_dv" in names else {}
+
+
 def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor) -> dict:
     """The score modifiers' kernel arguments by name: tensors, runtime values, compile-time switches."""
     mods = problem.mods
@@ -147,7 +158,6 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
         "query_group_size": problem.query_group_size,
         "block_d": block_d,
         "block_d_tail": block_d_tail,
-        "block_dv": configs.head_dim_tile(problem.value_dim),
     }
 
 
@@ -573,7 +583,7 @@ def _backward_steps(
         preprocess = launcher.tuned(
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
-             "block_dv": shared["block_dv"], **lse_grad, **sinks_grad},
+             **lse_grad, **sinks_grad},
             row_grads.reset,
         )  # fmt: skip
         return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets

@@ -12,7 +12,9 @@ from tilegym.ops.attention.kernels.head import (
     add_head,
     head_dot,
     head_product,
+    head_row_dot,
     head_scaled,
+    head_width,
     head_zeros,
     load_head,
     store_head,
@@ -21,23 +23,29 @@ from tilegym.ops.attention.kernels.modifiers import head_mods, raw_gradient, sco
 from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
-from tilegym.ops.attention.kernels.state import DqTile, KeyState, KeyTile, RowStats, Scoring, Switches, Tiling
+from tilegym.ops.attention.kernels.state import (
+    DqTile,
+    HeadSplit,
+    KeyState,
+    KeyTile,
+    RowStats,
+    Scoring,
+    Switches,
+    Tiling,
+)
 from tilegym.ops.attention.kernels.tiles import (
     NEG_INF,
     POS_INF,
     ConstBool,
     ConstInt,
     accumulator_dtype,
-    add_rows,
     exp2,
     load_lse_padded_inf,
     load_row_stat,
-    load_rows,
     log2e,
     scale,
     seqlens,
     store_row_stat,
-    store_rows,
 )
 from tilegym.ops.attention.kernels.user import (
     AUX_GRAD,
@@ -55,7 +63,9 @@ from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW
 
 
 @ct.function
-def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt, DLse, lse_grad: ConstBool):
+def _row_stats(
+    out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt, DLse, lse_grad: ConstBool
+):
     """RowStats of one query tile, stored and returned as [block_m] tiles in fp32 (fp64 for
     fp64 inputs), the accumulators' dtype.
 
@@ -65,8 +75,8 @@ def _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: Con
     probabilities exp2(s - inf) = 0. Converting it here, once per row, keeps that select
     and multiply out of every step of the dK/dV loop.
     """
-    acc_dtype = accumulator_dtype(out.dtype)
-    delta = ct.sum(out.astype(acc_dtype) * d_out.astype(acc_dtype), axis=1)
+    acc_dtype = accumulator_dtype(out.main.dtype)
+    delta = head_row_dot(out, d_out, value_split, acc_dtype)
     if lse_grad:
         delta = delta - load_row_stat(DLse, b, q_head, q_tile, block_m).astype(acc_dtype)
     store_row_stat(Delta, b, q_head, q_tile, delta, block_m)
@@ -98,20 +108,22 @@ def attention_backward_preprocess_kernel(
     q_tile = ct.bid(0)
     q_head = ct.bid(1)
     b = ct.bid(2)
-    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv)
-    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv)
-    stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
+    # A row reduction, memory bound: one tile of Dv padded to a power of two.
+    value_split = HeadSplit(block_dv, 0)
+    out = load_head(Out, b, q_head, q_tile, block_m, value_split)
+    d_out = load_head(dOut, b, q_head, q_tile, block_m, value_split)
+    stats = _row_stats(out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile)
 
 
 @ct.function
-def _holds_dq_share(block_d: ConstInt):
+def _holds_dq_share(qk_split):
     """Whether the fused backward holds a step's dQ share until the next step, which sums it
     after its first matmul, so the reduction overlaps that step's matmuls instead of stalling
     between steps. Measured on sm_90 (perf-notes#dq-share-next-step): 9-15% faster at D=128 from 4096
     keys (even at 16384 keys without a mask); at D=64 (128x128 tiles) up to 6% slower."""
-    return block_d > 64
+    return head_width(qk_split) > 64
 
 
 @ct.function
@@ -125,12 +137,12 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     """
     scoring = tile.scoring
     tiling = scoring.tiling
-    block_m, block_n, block_d, block_dv = tiling.block_m, tiling.block_n, tiling.block_d, tiling.block_dv
+    block_m, block_n = tiling.block_m, tiling.block_n
     b, q_head, k = tile.b, tile.q_head, tile.k
     d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
     acc_dtype = accumulator_dtype(k.main.dtype)
-    q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling)  # [block_m, D]
-    d_out = load_rows(tile.dOut, b, q_head, q_tile, block_m, block_dv)  # [block_m, block_dv]
+    q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)  # [block_m, D]
+    d_out = load_head(tile.dOut, b, q_head, q_tile, block_m, tiling.value)  # [block_m, Dv]
     if score_modified(scoring.switches):
         lse = load_lse_padded_inf(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
     else:
@@ -138,15 +150,15 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
 
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
-    raw_t = head_dot(k, q, ct.zeros((block_n, block_m), acc_dtype), tiling)  # [block_n, block_m]
+    raw_t = head_dot(k, q, ct.zeros((block_n, block_m), acc_dtype), tiling.qk)  # [block_n, block_m]
     if tile.sum_dq:
-        if _holds_dq_share(block_d):
+        if _holds_dq_share(tiling.qk):
             # The previous step's share, summed while this step's matmuls run.
-            add_head(tile.DQSum, b, q_head, state.pending_tile, pending_dq, block_m, tiling)
+            add_head(tile.DQSum, b, q_head, state.pending_tile, pending_dq, block_m, tiling.qk)
     scores_t, capped_tanh_t, natural_t = scores(
         raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.main.dtype, scoring, True
     )
-    if block_d > 64 and not tile.sum_dq:
+    if head_width(tiling.qk) > 64 and not tile.sum_dq:
         # The D=128 dK/dV kernel runs two CTAs per SM, where the flushed exp2's schedule spills
         # and gained nothing (perf-notes#leaner-softmax-exp2); the fused kernel, at one CTA per SM,
         # gains 1-3% from it (perf-notes#fused-backward-exp2-d128).
@@ -159,8 +171,8 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     # kernel spilled a register.
     reload_q = tile.sum_dq and not masked
     if not reload_q:
-        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)  # [block_n, block_dv]
-    d_probs_t = ct.mma(tile.v, ct.transpose(d_out), ct.zeros((block_n, block_m), acc_dtype))  # [block_n, block_m]
+        d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)  # [block_n, Dv]
+    d_probs_t = head_dot(tile.v, d_out, ct.zeros((block_n, block_m), acc_dtype), tiling.value)  # [block_n, block_m]
     d_scores_t = probs_t * (d_probs_t - delta)  # [block_n, block_m]
     if tile.bias_grad == BIAS_PER_ROW:
         d_bias = ct.transpose(d_scores_t).reshape((1, 1, block_m, block_n)).astype(tile.DBias.dtype)
@@ -176,18 +188,19 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         # computes dQ, and arrived late (at one CTA per SM nothing covers the wait). Loaded
         # again for dK, the first buffer is free after K Q^T. dK before dV in the source
         # keeps the two matmuls issued back to back (perf-notes#q-loaded-twice).
-        d_key = head_product(d_scores_t, load_head(tile.Q, b, q_head, q_tile, block_m, tiling), d_key, tiling)
-        d_value = ct.mma(probs_t.astype(d_out.dtype), d_out, d_value)
+        q_again = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)
+        d_key = head_product(d_scores_t, q_again, d_key, tiling.qk)
+        d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)
     else:
-        d_key = head_product(d_scores_t, q, d_key, tiling)  # [block_n, D]
+        d_key = head_product(d_scores_t, q, d_key, tiling.qk)  # [block_n, D]
     if tile.sum_dq:
         # [block_m, D]
-        d_query = head_product(ct.transpose(d_scores_t), k, head_zeros(block_m, tiling, acc_dtype), tiling)
-        d_query = head_scaled(d_query, tile.dq_scale, tiling)
-        if _holds_dq_share(block_d):
+        d_query = head_product(ct.transpose(d_scores_t), k, head_zeros(block_m, tiling.qk, acc_dtype), tiling.qk)
+        d_query = head_scaled(d_query, tile.dq_scale, tiling.qk)
+        if _holds_dq_share(tiling.qk):
             pending_dq = d_query
         else:
-            add_head(tile.DQSum, b, q_head, q_tile, d_query, block_m, tiling)
+            add_head(tile.DQSum, b, q_head, q_tile, d_query, block_m, tiling.qk)
     return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
 
 
@@ -229,6 +242,7 @@ def attention_backward_dkdv_kernel(
     block_d: ConstInt,
     block_dv: ConstInt,
     block_d_tail: ConstInt,
+    block_dv_tail: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -312,15 +326,15 @@ def attention_backward_dkdv_kernel(
     switches = Switches(
         windowed, capped, bias_mode, alibi, user_functions(SCORE_MOD, SCORE_MOD_GRAD, AUX_GRAD, MASK_MOD)
     )
-    tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
+    tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, block_dv_tail))
 
     # Bulk copies also for a packed batch, whose dK/dV programs are long (packed.bulk_once).
-    k = load_head(K, b, kv_head, kv_tile, block_n, tiling)  # [block_n, D]
-    v = load_rows(V, b, kv_head, kv_tile, block_n, block_dv)  # [block_n, block_dv]
+    k = load_head(K, b, kv_head, kv_tile, block_n, tiling.qk)  # [block_n, D]
+    v = load_head(V, b, kv_head, kv_tile, block_n, tiling.value)  # [block_n, Dv]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
-    d_key = head_zeros(block_n, tiling, acc_dtype)
-    d_value = ct.zeros((block_n, block_dv), acc_dtype)
-    holds_dq = sum_dq and _holds_dq_share(block_d)
+    d_key = head_zeros(block_n, tiling.qk, acc_dtype)
+    d_value = head_zeros(block_n, tiling.value, acc_dtype)
+    holds_dq = sum_dq and _holds_dq_share(tiling.qk)
 
     for group_member in range(members):
         q_head = first_q_head + group_member
@@ -334,7 +348,7 @@ def attention_backward_dkdv_kernel(
         scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
         # A held dQ share starts as zeros "for" query tile 0, which always exists: the first
         # step adds them there, so no step needs a branch (one spare reduction per head).
-        pending_dq = head_zeros(block_m, tiling, acc_dtype) if holds_dq else ct.zeros((1, 1), acc_dtype)
+        pending_dq = head_zeros(block_m, tiling.qk, acc_dtype) if holds_dq else ct.zeros((1, 1), acc_dtype)
         state = KeyState(d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
         tile = KeyTile(
             k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols, scoring,
@@ -347,17 +361,18 @@ def attention_backward_dkdv_kernel(
             state = over_segments(_dkdv_loop, query_segments(kv_tile, scoring), state, tile)
         d_key, d_value = state.d_key, state.d_value
         if holds_dq:
-            add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, tiling)
+            add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, tiling.qk)
         if bias_grad == BIAS_ONE_ROW:
             d_bias = state.d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)
             ct.store(DBias, index=(b, q_head, 0, kv_tile), tile=d_bias)
 
+    d_key = head_scaled(d_key, softmax_scale, tiling.qk)
     if sum_dkdv:
-        add_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
-        add_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
+        add_head(dK, b, kv_head, kv_tile, d_key, block_n, tiling.qk)
+        add_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value)
     else:
-        store_head(dK, b, kv_head, kv_tile, head_scaled(d_key, softmax_scale, tiling), block_n, tiling)
-        store_rows(dV, b, kv_head, kv_tile, d_value, block_n, block_dv)
+        store_head(dK, b, kv_head, kv_tile, d_key, block_n, tiling.qk)
+        store_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value)
 
 
 @ct.function
@@ -366,9 +381,9 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     scoring = tile.scoring
     tiling = scoring.tiling
     acc_dtype = accumulator_dtype(tile.q.main.dtype)
-    k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
-    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
-    raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling)
+    k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.qk)
+    v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
+    raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
     step_scores, capped_tanh, natural = scores(
         raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False
@@ -376,9 +391,9 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     probs = exp2(step_scores - tile.lse)
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
-    d_probs = ct.mma(tile.d_out, ct.transpose(v), ct.zeros((tiling.block_m, tiling.block_n), acc_dtype))
+    d_probs = head_dot(tile.d_out, v, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.value)
     d_scores = raw_gradient(probs * (d_probs - tile.delta), capped_tanh, natural, step_scores, tile.rows, cols, scoring)
-    return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling)
+    return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling.qk)
 
 
 @ct.function
@@ -421,6 +436,7 @@ def attention_backward_dq_kernel(
     block_d: ConstInt,
     block_dv: ConstInt,
     block_d_tail: ConstInt,
+    block_dv_tail: ConstInt,
     causal: ConstBool,
     windowed: ConstBool,
     capped: ConstBool,
@@ -475,24 +491,24 @@ def attention_backward_dq_kernel(
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
     user = user_args(seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
-    tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
+    tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, block_dv_tail))
     scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
 
     # A packed batch's program loads these and stores dQ once: no bulk copies (tiles.load_tile).
     bulk = bulk_once(varlen, scoring.tiling)
-    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, bulk)
-    d_out = load_rows(dOut, b, q_head, q_tile, block_m, block_dv, bulk)
-    out = load_rows(Out, b, q_head, q_tile, block_m, block_dv, bulk)
-    stats = _row_stats(out, d_out, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
+    q = load_head(Q, b, q_head, q_tile, block_m, tiling.qk, bulk)
+    d_out = load_head(dOut, b, q_head, q_tile, block_m, tiling.value, bulk)
+    out = load_head(Out, b, q_head, q_tile, block_m, tiling.value, bulk)
+    stats = _row_stats(out, d_out, tiling.value, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
-    d_query = head_zeros(block_m, scoring.tiling, acc_dtype)
+    d_query = head_zeros(block_m, tiling.qk, acc_dtype)
 
     tile = DqTile(q, d_out, stats.lse_base2[:, None], stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
     if block_sparse:
         d_query = over_listed_tiles(_dq_step, tile_lists(MaskCounts, MaskTiles, seq, q_head), q_tile, d_query, tile)
     else:
         d_query = over_segments(_dq_loop, key_segments(q_tile, scoring), d_query, tile)
-    d_query = head_scaled(d_query, softmax_scale, scoring.tiling)
-    store_head(dQ, b, q_head, q_tile, d_query, block_m, scoring.tiling, bulk)
+    d_query = head_scaled(d_query, softmax_scale, tiling.qk)
+    store_head(dQ, b, q_head, q_tile, d_query, block_m, tiling.qk, bulk)

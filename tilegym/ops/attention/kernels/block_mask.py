@@ -8,7 +8,7 @@ import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
 from tilegym.ops.attention.kernels.ranges import visible
-from tilegym.ops.attention.kernels.state import HeadMods, Scoring, SeqLens, Switches, Tiling
+from tilegym.ops.attention.kernels.state import HeadMods, HeadSplit, Scoring, SeqLens, Switches, Tiling
 from tilegym.ops.attention.kernels.tiles import ConstBool, ConstInt
 from tilegym.ops.attention.kernels.user import (
     AUX_GRAD,
@@ -54,7 +54,7 @@ def block_mask_kernel(
     )
     mods = HeadMods(Kinds, 0, 0, 0.0, 0.0, 0.0, window_left, window_right)
     user = user_args(b, h, MaskAux0, MaskAux1, MaskAux2, MaskAux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
-    tiling = Tiling(block_m, block_n, 0, 0, 0)
+    tiling = Tiling(block_m, block_n, HeadSplit(0, 0), HeadSplit(0, 0))
     scoring = Scoring(1.0, SeqLens(seqlen_q, seqlen_k), mods, switches, tiling, causal, user)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]

@@ -8,12 +8,20 @@ attention keeps raw products instead and applies the scale inside exp2's argumen
 import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
-from tilegym.ops.attention.kernels.head import head_dot, load_head
+from tilegym.ops.attention.kernels.head import (
+    head_dot,
+    head_product,
+    head_row_abs_sum,
+    head_scaled,
+    head_zeros,
+    load_head,
+    store_head,
+)
 from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, scores, softcap_values
 from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
-from tilegym.ops.attention.kernels.state import ForwardState, ForwardTile, Scoring, Switches, Tiling
+from tilegym.ops.attention.kernels.state import ForwardState, ForwardTile, HeadSplit, Scoring, Switches, Tiling
 from tilegym.ops.attention.kernels.tiles import (
     NEG_INF,
     POS_INF,
@@ -22,12 +30,10 @@ from tilegym.ops.attention.kernels.tiles import (
     accumulator_dtype,
     exp2,
     ln2,
-    load_rows,
     log2e,
     scale,
     seqlens,
     store_row_stat,
-    store_rows,
 )
 from tilegym.ops.attention.kernels.user import (
     AUX_GRAD,
@@ -48,8 +54,8 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
     scoring = tile.scoring
     tiling = scoring.tiling
     acc_dtype = accumulator_dtype(tile.q.main.dtype)
-    k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
-    raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling)
+    k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.qk)
+    raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
     raw_units = keeps_raw_scores(scoring.switches)
     if raw_units:
@@ -75,8 +81,8 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
         probs = exp2(step_scores - new_max_safe)
         rescale = exp2(row_max - new_max_safe)
     row_sum = state.row_sum * rescale + ct.sum(probs, axis=1, keepdims=True)
-    v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
-    acc = ct.mma(probs.astype(v.dtype), v, state.acc * rescale)
+    v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
+    acc = head_product(probs.astype(v.main.dtype), v, head_scaled(state.acc, rescale, tiling.value), tiling.value)
     return ForwardState(new_max, row_sum, acc)
 
 
@@ -101,12 +107,13 @@ def _first_step_fixed_max(first, state, tile):
     qk_scale_log2 = tile.scoring.qk_scale_log2
     acc_dtype = accumulator_dtype(tile.q.main.dtype)
     for kv_tile in range(0, first):
-        k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
-        raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling)
+        k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.qk)
+        raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
         row_max = ct.max(raw, axis=1, keepdims=True)
         probs = exp2(raw * qk_scale_log2 - row_max * qk_scale_log2)
-        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
-        acc = ct.mma(probs.astype(v.dtype), v, ct.zeros((tiling.block_m, tiling.block_dv), acc_dtype))
+        v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
+        zeros = head_zeros(tiling.block_m, tiling.value, acc_dtype)
+        acc = head_product(probs.astype(v.main.dtype), v, zeros, tiling.value)
         state = ForwardState(row_max, ct.sum(probs, axis=1, keepdims=True), acc)
     return state
 
@@ -123,26 +130,27 @@ def _loop_fixed_max(first, last, state, tile):
     tiling = tile.scoring.tiling
     qk_scale_log2 = tile.scoring.qk_scale_log2
     row_max, row_sum, acc = state.row_max, state.row_sum, state.acc
+    acc_dtype = row_sum.dtype
     max_log2 = row_max * qk_scale_log2
     for kv_tile in range(first, last):
-        k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling)
-        raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc.dtype), tiling)
+        k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.qk)
+        raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
         probs = exp2(raw * qk_scale_log2 - max_log2)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
-        v = load_rows(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.block_dv)
-        acc = ct.mma(probs.astype(v.dtype), v, acc)
+        v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
+        acc = head_product(probs.astype(v.main.dtype), v, acc, tiling.value)
     return ForwardState(row_max, row_sum, acc)
 
 
 @ct.function
-def _overflowed(state):
+def _overflowed(state, value_split):
     """Whether a row sum or an accumulator element of a query tile is inf or NaN.
 
     Each row folds its own elements first (within a warp), so only one value per row crosses
     warps: summing the whole tile's flags at once cost nine CTA barriers instead of two.
     A finite |acc| sum that overflows only asks for a recompute that was not needed.
     """
-    row_total = state.row_sum + ct.sum(ct.abs(state.acc), axis=1, keepdims=True)
+    row_total = state.row_sum + head_row_abs_sum(state.acc, value_split)
     return ct.sum(ct.where(row_total < POS_INF, 0, 1)) > 0
 
 
@@ -157,7 +165,7 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
         fast = _first_step_fixed_max(first, state, tile)
         fast = _loop_fixed_max(first, segments.full_end, fast, tile)
         fast = _forward_loop(segments.full_end, segments.end, fast, tile, True)
-        if _overflowed(fast):
+        if _overflowed(fast, tile.scoring.tiling.value):
             state = over_segments(_forward_loop, segments, state, tile)
         else:
             state = fast
@@ -167,12 +175,12 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
 
 
 @ct.function
-def _with_sink(state, Sinks, q_head, raw_units: ConstBool, qk_scale_log2):
+def _with_sink(state, Sinks, q_head, raw_units: ConstBool, qk_scale_log2, value_split):
     """state with the head's sink logit joined to each row's sum, and its row max in base-2
     units (raw_units: it was in raw products). The sink takes probability mass and gives no
     value: the accumulator is only rescaled to the new max. A row that saw no key gets the
     sink alone: its output stays 0, its LSE is the sink."""
-    acc_dtype = state.acc.dtype
+    acc_dtype = state.row_sum.dtype
     sink_log2 = ct.load(Sinks, index=(q_head,), shape=(1,)).astype(acc_dtype).reshape((1, 1)) * log2e(acc_dtype)
     row_max = state.row_max
     if raw_units:
@@ -182,7 +190,7 @@ def _with_sink(state, Sinks, q_head, raw_units: ConstBool, qk_scale_log2):
     new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
     rescale = exp2(row_max - new_max_safe)
     row_sum = state.row_sum * rescale + exp2(sink_log2 - new_max_safe)
-    return ForwardState(new_max, row_sum, state.acc * rescale)
+    return ForwardState(new_max, row_sum, head_scaled(state.acc, rescale, value_split))
 
 
 @CachedKernel
@@ -239,7 +247,9 @@ def attention_forward_kernel(
     placeholder). fixed_max (plain attention, fp32 accumulators only): see _key_loops.
     with_sinks: each row's denominator also holds exp(Sinks[q_head]) (_with_sink).
     Layout: q [B, Hq, Sq, D]; k [B, Hkv, Sk, D]; v [B, Hkv, Sk, Dv]; out [B, Hq, Sq, Dv]; lse
-    [B, Hq, Sq]; sinks [Hq]. block_d (and block_d_tail, head.py) tiles D, block_dv tiles Dv.
+    [B, Hq, Sq]; sinks [Hq]. block_d and block_d_tail tile D (head.py); block_dv tiles Dv as one
+    tile: split in two, P would multiply two tiles of V, and ptxas then waits for each matmul alone
+    (perf-notes#split-head-dim).
     varlen: a packed batch (packed.py); grid axis 2 counts its sequences.
     The caller's functions (user.py) read Aux* and MaskAux*; block_sparse: the key tiles come
     from a block mask's lists (MaskCounts, MaskTiles) instead of the causal or window ranges.
@@ -264,17 +274,17 @@ def attention_forward_kernel(
     softcap_in, softcap_log2 = softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype)
     mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
     user = user_args(seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
-    tiling = Tiling(block_m, block_n, block_d, block_dv, block_d_tail)
+    tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, 0))
     scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
 
     # A packed batch's program loads its query tile and stores its output once: no bulk copies.
     bulk = bulk_once(varlen, scoring.tiling)
-    q = load_head(Q, b, q_head, q_tile, block_m, scoring.tiling, bulk)
+    q = load_head(Q, b, q_head, q_tile, block_m, tiling.qk, bulk)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     state = ForwardState(
         ct.full((block_m, 1), NEG_INF, acc_dtype),
         ct.zeros((block_m, 1), acc_dtype),
-        ct.zeros((block_m, block_dv), acc_dtype),
+        head_zeros(block_m, tiling.value, acc_dtype),
     )
     tile = ForwardTile(q, K, V, b, kv_head, q_tile, rows, scoring)
     if block_sparse:
@@ -283,14 +293,14 @@ def attention_forward_kernel(
         state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
 
     if with_sinks:
-        state = _with_sink(state, Sinks, q_head, keeps_raw_scores(switches), qk_scale_log2)
+        state = _with_sink(state, Sinks, q_head, keeps_raw_scores(switches), qk_scale_log2, tiling.value)
 
     # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
     # One reciprocal per row, not a division per element: the division's slow-path checks
     # cost the epilogue a share of a short sequence's time.
     row_sum = state.row_sum
-    out = state.acc * (1.0 / ct.where(row_sum == 0.0, 1.0, row_sum))
-    store_rows(Out, b, q_head, q_tile, out, block_m, block_dv, bulk)
+    out = head_scaled(state.acc, 1.0 / ct.where(row_sum == 0.0, 1.0, row_sum), tiling.value)
+    store_head(Out, b, q_head, q_tile, out, block_m, tiling.value, bulk)
     if write_lse:
         row_max = state.row_max
         if keeps_raw_scores(switches) and not with_sinks:

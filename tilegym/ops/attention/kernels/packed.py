@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import cuda.tile as ct
 
+from tilegym.ops.attention.kernels.head import head_width
 from tilegym.ops.attention.kernels.state import Value
 from tilegym.ops.attention.kernels.tiles import ConstBool
 
@@ -65,5 +66,5 @@ def bulk_once(varlen: ConstBool, tiling):
     to 207 local loads and stores in the dQ kernel). The dK/dV kernel keeps them too: its
     programs are long, and without them its D=128 kernel spilled.
     """
-    narrow = tiling.block_d <= 128 and tiling.block_d_tail == 0 and tiling.block_dv <= 128
+    narrow = head_width(tiling.qk) <= 128 and head_width(tiling.value) <= 128
     return not (varlen and narrow)

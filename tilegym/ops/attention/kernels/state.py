@@ -15,25 +15,32 @@ Value = Any
 
 
 @dataclass(frozen=True)
+class HeadSplit:
+    """How a head dim is tiled (head.py): a main tile of `width` columns, and a `tail` tile of
+    that many columns after it (0: none). Both compile-time."""
+
+    width: Value
+    tail: Value
+
+
+@dataclass(frozen=True)
 class Tiling:
-    """Tile sizes of a program, all compile-time: query rows, key rows, the head dim of Q and K
-    (block_d, plus block_d_tail when it is two tiles, see head.py; 0: one tile) and that of V
-    and the output (block_dv)."""
+    """Tile sizes of a program, all compile-time: query rows, key rows, and the head dims as
+    tiled, that of Q and K (also dQ and dK) and that of V (also the output, dO and dV)."""
 
     block_m: Value
     block_n: Value
-    block_d: Value
-    block_dv: Value
-    block_d_tail: Value
+    qk: Value  # HeadSplit
+    value: Value  # HeadSplit
 
 
 @dataclass(frozen=True)
 class HeadParts:
-    """Rows of a Q-, K-, dQ- or dK-shaped array over the head dim: one tile, or a main tile of
-    Tiling.block_d columns and a tail of block_d_tail after it (tail 0 when there is none)."""
+    """Rows of an array over its head dim as a HeadSplit tiles it: the main tile, and the tail
+    after it (0 when there is none)."""
 
-    main: Value  # [rows, block_d]
-    tail: Value  # [rows, block_d_tail], or 0
+    main: Value  # [rows, width]
+    tail: Value  # [rows, tail], or 0
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ class ForwardState:
 
     row_max: Value
     row_sum: Value
-    acc: Value
+    acc: Value  # HeadParts [block_m, Dv]
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,7 @@ class DqTile:
     """What every step of a dQ program shares."""
 
     q: Value  # HeadParts [block_m, D]
-    d_out: Value  # [block_m, block_dv]
+    d_out: Value  # HeadParts [block_m, Dv]
     lse: Value  # [block_m, 1] base-2 LSE
     delta: Value  # [block_m, 1]
     K: Value
@@ -183,7 +190,7 @@ class KeyTile:
     it reads per query tile, and where it writes dBias and dQ shares."""
 
     k: Value  # HeadParts [block_n, D]
-    v: Value  # [block_n, block_dv]
+    v: Value  # HeadParts [block_n, Dv]
     Q: Value
     dOut: Value
     LseBase2: Value
@@ -206,7 +213,7 @@ class KeyState:
     (backward._holds_dq_share): pending_dq belongs to query tile pending_tile."""
 
     d_key: Value  # HeadParts [block_n, D]
-    d_value: Value
+    d_value: Value  # HeadParts [block_n, Dv]
     d_bias_row: Value  # [block_n, 1] column sums of dBias (BIAS_ONE_ROW)
     pending_dq: Value
     pending_tile: Value
