@@ -508,7 +508,7 @@ MIN_FUSED = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K
         ("auto", MIN_FUSED, 128, 2, False, False, configs.BACKWARD_FUSED),
         ("auto", MIN_FUSED, 128, 4, True, False, configs.BACKWARD_FUSED_GROUPED),  # causal query groups
         ("auto", MIN_FUSED, 64, 4, False, False, configs.BACKWARD_FUSED),  # equal programs: not grouped
-        ("auto", MIN_FUSED, 256, 2, True, False, None),  # no D=256 table
+        ("auto", MIN_FUSED, 256, 2, True, False, None),  # no D=256 table: dV and dK apart
         ("fused", 40, 64, 4, True, True, None),  # deterministic algorithms always get two kernels
         ("two-kernel", MIN_FUSED, 64, 2, True, False, None),
     ],
@@ -517,8 +517,10 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     monkeypatch.setenv("TILEGYM_BACKWARD", choice)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     names, _, _ = _recorded_backward(monkeypatch, seqlen, head_dim, q_heads, batch=1, causal=causal)
-    # Two kernels: the dQ kernel writes the row statistics the dK/dV kernel reads, so it runs first.
-    two_kernels = [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
+    # Two kernels: the dQ kernel writes the row statistics the dK/dV kernel reads, so it runs first;
+    # wide heads sum dV and dK in launches of their own (dispatch.split_dkdv).
+    apart = [configs.BACKWARD_DV, configs.BACKWARD_DK] if head_dim == 256 else [configs.BACKWARD_DKDV]
+    two_kernels = [configs.BACKWARD_DQ, *apart]
     assert names == ([configs.BACKWARD_PREPROCESS, expected] if expected else two_kernels)
 
 

@@ -13,8 +13,10 @@ from functools import cache
 
 from tilegym.autotune import TileConfig
 from tilegym.ops.attention.variants import (
+    BACKWARD_DK,
     BACKWARD_DKDV,
     BACKWARD_DQ,
+    BACKWARD_DV,
     BACKWARD_FUSED,
     BACKWARD_FUSED_GROUPED,
     BACKWARD_PREPROCESS,
@@ -89,6 +91,13 @@ _SM90_FUSED = {
     64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
     128: [_c(64, 128, num_worker_warps=8)],
 }
+# D = Dv = 256 sums dV and dK in programs of their own (dispatch.split_dkdv): both fp32
+# accumulators of block_n x 256 in one program left room only for 16-row query tiles, where the
+# small matmuls' fixed costs set the time; apart, 64x64 tiles compile without spills (dK at one
+# warpgroup: at two it spilled), and the backward took 19-22% less time
+# (perf-notes#dkdv-apart-d256).
+_SM90_DV = {256: [_c(64, 64, num_worker_warps=8), _c(128, 64, num_worker_warps=8)]}
+_SM90_DK = {256: [_c(64, 64)]}
 # Causal grouped-query attention: one program per KV head and key tile made too few programs
 # of too unequal lengths (GQA 8, D=128, S=4096: 284 TFLOPS against 375 with a program per
 # query head, perf-notes#gqa-program-per-head). 128x128 spills at D=64 in that form; 64x128
@@ -166,6 +175,8 @@ TABLES = {
         BACKWARD_DQ: _SM80_BACKWARD,
         BACKWARD_FUSED: {},
         BACKWARD_FUSED_GROUPED: {},
+        BACKWARD_DV: {},
+        BACKWARD_DK: {},
         FORWARD_FIXED_MAX: {},
         FORWARD_LSE_FIXED_MAX: {},
     },
@@ -177,6 +188,8 @@ TABLES = {
         BACKWARD_DQ: _SM90_DQ,
         BACKWARD_FUSED: _SM90_FUSED,
         BACKWARD_FUSED_GROUPED: _SM90_FUSED_GROUPED,
+        BACKWARD_DV: _SM90_DV,
+        BACKWARD_DK: _SM90_DK,
         FORWARD_FIXED_MAX: _SM90_FORWARD_FIXED_MAX,
         FORWARD_LSE_FIXED_MAX: _SM90_FORWARD_FIXED_MAX,
     },
@@ -188,6 +201,8 @@ TABLES = {
         BACKWARD_DQ: _SM100_BACKWARD,
         BACKWARD_FUSED: {},
         BACKWARD_FUSED_GROUPED: {},
+        BACKWARD_DV: {},
+        BACKWARD_DK: {},
         FORWARD_FIXED_MAX: {},
         FORWARD_LSE_FIXED_MAX: {},
     },
@@ -199,6 +214,8 @@ TABLES = {
         BACKWARD_DQ: _SM80_BACKWARD,
         BACKWARD_FUSED: {},
         BACKWARD_FUSED_GROUPED: {},
+        BACKWARD_DV: {},
+        BACKWARD_DK: {},
         FORWARD_FIXED_MAX: {},
         FORWARD_LSE_FIXED_MAX: {},
     },
@@ -211,6 +228,8 @@ WIDE_TABLE = {
     BACKWARD_DQ: _WIDE_BACKWARD,
     BACKWARD_FUSED: {},
     BACKWARD_FUSED_GROUPED: {},
+    BACKWARD_DV: {},
+    BACKWARD_DK: {},
     FORWARD_FIXED_MAX: {},
     FORWARD_LSE_FIXED_MAX: {},
 }

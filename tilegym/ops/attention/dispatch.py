@@ -7,7 +7,13 @@ import torch
 from tilegym import env
 from tilegym.ops.attention import configs
 from tilegym.ops.attention.problem import AttentionProblem
-from tilegym.ops.attention.variants import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED, FORWARD_FIXED_MAX
+from tilegym.ops.attention.variants import (
+    BACKWARD_DK,
+    BACKWARD_DV,
+    BACKWARD_FUSED,
+    BACKWARD_FUSED_GROUPED,
+    FORWARD_FIXED_MAX,
+)
 
 # The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one from
 # 4096 keys on: at D=64 by 1-10% (perf-notes#fused-backward-tma-dq), at D=128 by 3-16% once each
@@ -58,6 +64,15 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     if choice == "fused" or problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K:
         return name
     return None
+
+
+def split_dkdv(problem: AttentionProblem, candidates) -> bool:
+    """Whether the two-kernel backward sums dV and dK in launches of their own (BACKWARD_DV, then
+    BACKWARD_DK), each program holding one accumulator: plain scores (sinks allowed), where the arch
+    has tables for both (sm_90, configs.py), at D = Dv = 256. D=192 shares those tables but lost
+    (bwd 2.56 -> 3.05 ms, perf-notes#dkdv-apart-d256); other wide pairs are unmeasured."""
+    wide = problem.head_dim == problem.value_dim == 256
+    return wide and problem.mods.plain_scores and bool(candidates(BACKWARD_DV)) and bool(candidates(BACKWARD_DK))
 
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:

@@ -26,8 +26,10 @@ from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
 from tilegym.ops.attention.score_mods import BIAS_NONE, NO_TENSORS, ModTensors, ScoreMods
 from tilegym.ops.attention.variants import (
+    BACKWARD_DK,
     BACKWARD_DKDV,
     BACKWARD_DQ,
+    BACKWARD_DV,
     BACKWARD_FUSED_GROUPED,
     BACKWARD_PREPROCESS,
     FORWARD,
@@ -591,7 +593,11 @@ def _backward_steps(
     dq_values = {**shared, "Out": out, "Lse": lse, "dQ": targets.dq, **lse_grad, **sinks_grad}
     dq_step = launcher.tuned(BACKWARD_DQ, dq_values, row_grads.reset)
     reset_aux = (lambda: [d.zero_() for d in d_aux]) if d_aux else None
-    return (dq_step, launcher.tuned(BACKWARD_DKDV, dkdv_values, reset_aux)), targets
+    if dispatch.split_dkdv(problem, launcher.candidates):
+        dkdv_steps = (launcher.tuned(BACKWARD_DV, dkdv_values), launcher.tuned(BACKWARD_DK, dkdv_values, reset_aux))
+    else:
+        dkdv_steps = (launcher.tuned(BACKWARD_DKDV, dkdv_values, reset_aux),)
+    return (dq_step, *dkdv_steps), targets
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,18 @@ BACKWARD_DKDV = "attention_backward_dkdv"
 BACKWARD_DQ = "attention_backward_dq"
 BACKWARD_FUSED = "attention_backward_fused"
 BACKWARD_FUSED_GROUPED = "attention_backward_fused_grouped"
+BACKWARD_DV = "attention_backward_dv"
+BACKWARD_DK = "attention_backward_dk"
+
+# What a program of the dK/dV kernel sums (its `part`): both, or only dV or only dK, each then
+# in a launch of its own.
+DKDV_BOTH, DKDV_VALUE, DKDV_KEY = 0, 1, 2
 
 _FORWARD_KERNEL = "attention_forward_kernel"
 _DKDV_KERNEL = "attention_backward_dkdv_kernel"
 _QUERY_TILES = ("query", "query")  # (tiles, heads) of the grid
 _KEY_TILES = ("key", "kv")
-_NO_DQ = {"sum_dq": False, "sum_dkdv": False}
+_NO_DQ = {"sum_dq": False, "sum_dkdv": False, "part": DKDV_BOTH}
 
 VARIANTS: MappingProxyType = MappingProxyType(
     {
@@ -116,6 +122,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 default=False,
                 sum_dq=True,
                 sum_dkdv=False,
+                part=DKDV_BOTH,
             ),
             _variant(
                 BACKWARD_FUSED_GROUPED,
@@ -126,6 +133,26 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 default=False,
                 sum_dq=True,
                 sum_dkdv=True,
+                part=DKDV_BOTH,
+            ),
+            _variant(
+                BACKWARD_DV,
+                _DKDV_KERNEL,
+                _KEY_TILES,
+                "dV alone, before BACKWARD_DK: the two-kernel backward's dK/dV of wide heads, whose two "
+                "accumulators do not fit in one program at large tiles",
+                modifiable=False,
+                default=False,
+                **_NO_DQ | {"part": DKDV_VALUE},
+            ),
+            _variant(
+                BACKWARD_DK,
+                _DKDV_KERNEL,
+                _KEY_TILES,
+                "dK (and dBias) alone, after BACKWARD_DV",
+                modifiable=False,
+                default=False,
+                **_NO_DQ | {"part": DKDV_KEY},
             ),
         )
     }

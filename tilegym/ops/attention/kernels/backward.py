@@ -60,6 +60,7 @@ from tilegym.ops.attention.kernels.user import (
     user_functions,
 )
 from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW
+from tilegym.ops.attention.variants import DKDV_KEY, DKDV_VALUE
 
 
 @ct.function
@@ -133,7 +134,8 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     With bias_grad, also writes the tile's dBias (BIAS_PER_ROW) or adds its column sums to
     d_bias_row (BIAS_ONE_ROW). With sum_dq, also adds this key tile's share of dQ (scaled)
     into the fp32 DQSum, a whole tile at a time (a TMA reduction on sm_90); see
-    _holds_dq_share for the pending share.
+    _holds_dq_share for the pending share. A program of one part (tile.part) sums only dV
+    (no dP, no dS) or only dK.
     """
     scoring = tile.scoring
     tiling = scoring.tiling
@@ -143,11 +145,15 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     acc_dtype = accumulator_dtype(k.main.dtype)
     q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)  # [block_m, D]
     d_out = load_head(tile.dOut, b, q_head, q_tile, block_m, tiling.value)  # [block_m, Dv]
+    sums_dv = tile.part != DKDV_KEY
+    sums_dk = tile.part != DKDV_VALUE
     if score_modified(scoring.switches):
         lse = load_lse_padded_inf(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
     else:
         lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]
-    delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+    delta = 0.0
+    if sums_dk:
+        delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
 
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
     raw_t = head_dot(k, q, ct.zeros((block_n, block_m), acc_dtype), tiling.qk)  # [block_n, block_m]
@@ -170,8 +176,29 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     # See the second load of Q below; masked steps (few) keep one load: with two, the causal
     # kernel spilled a register.
     reload_q = tile.sum_dq and not masked
-    if not reload_q:
+    if sums_dv and not reload_q:
         d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)  # [block_n, Dv]
+    if sums_dk:
+        d_key, d_value, d_bias_row, pending_dq = _dk_share(
+            tile, q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t, state, d_key, d_value,
+            d_bias_row, reload_q, sums_dv,
+        )  # fmt: skip
+    return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
+
+
+@ct.function
+def _dk_share(
+    tile, q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t, state, d_key, d_value,
+    d_bias_row, reload_q: ConstBool, sums_dv: ConstBool,
+):  # fmt: skip
+    """_dkdv_step's part after P: dP, dS, dBias, dK, the dQ share, and dV where Q is loaded
+    twice (reload_q)."""
+    scoring = tile.scoring
+    tiling = scoring.tiling
+    block_m, block_n = tiling.block_m, tiling.block_n
+    b, q_head, k = tile.b, tile.q_head, tile.k
+    pending_dq = state.pending_dq
+    acc_dtype = probs_t.dtype
     d_probs_t = head_dot(tile.v, d_out, ct.zeros((block_n, block_m), acc_dtype), tiling.value)  # [block_n, block_m]
     d_scores_t = probs_t * (d_probs_t - delta)  # [block_n, block_m]
     if tile.bias_grad == BIAS_PER_ROW:
@@ -190,7 +217,8 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         # keeps the two matmuls issued back to back (perf-notes#q-loaded-twice).
         q_again = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)
         d_key = head_product(d_scores_t, q_again, d_key, tiling.qk)
-        d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)
+        if sums_dv:
+            d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)
     else:
         d_key = head_product(d_scores_t, q, d_key, tiling.qk)  # [block_n, D]
     if tile.sum_dq:
@@ -201,7 +229,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
             pending_dq = d_query
         else:
             add_head(tile.DQSum, b, q_head, q_tile, d_query, block_m, tiling.qk)
-    return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
+    return d_key, d_value, d_bias_row, pending_dq
 
 
 @ct.function
@@ -251,6 +279,7 @@ def attention_backward_dkdv_kernel(
     bias_grad: ConstInt,
     sum_dq: ConstBool,
     sum_dkdv: ConstBool,
+    part: ConstInt,
     CuSeqlensQ,
     CuSeqlensK,
     max_seqlen_q: int,
@@ -290,6 +319,9 @@ def attention_backward_dkdv_kernel(
     The caller's functions (user.py) read Aux* and MaskAux*, and aux_grad adds into AuxGrad*
     (zeroed fp32 buffers; only this kernel calls it). block_sparse: the query tiles come from a
     block mask's lists (MaskCounts, MaskTiles: one row per key tile).
+    part: DKDV_BOTH, or DKDV_VALUE or DKDV_KEY for a program that sums only dV or only dK (and
+    dQ with sum_dq), holding one accumulator where both did not fit (wide heads): its launch
+    writes that gradient alone.
     """
     if causal and sum_dq:
         # Causal key tiles near the start of the sequence are seen by the most query tiles.
@@ -329,11 +361,17 @@ def attention_backward_dkdv_kernel(
     tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, block_dv_tail))
 
     # Bulk copies also for a packed batch, whose dK/dV programs are long (packed.bulk_once).
+    sums_dv = part != DKDV_KEY
+    sums_dk = part != DKDV_VALUE
     k = load_head(K, b, kv_head, kv_tile, block_n, tiling.qk)  # [block_n, D]
-    v = load_head(V, b, kv_head, kv_tile, block_n, tiling.value)  # [block_n, Dv]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
-    d_key = head_zeros(block_n, tiling.qk, acc_dtype)
-    d_value = head_zeros(block_n, tiling.value, acc_dtype)
+    # Placeholders where a part is not summed.
+    v, d_key, d_value = 0, ct.zeros((1, 1), acc_dtype), ct.zeros((1, 1), acc_dtype)
+    if sums_dk:
+        v = load_head(V, b, kv_head, kv_tile, block_n, tiling.value)  # [block_n, Dv]
+        d_key = head_zeros(block_n, tiling.qk, acc_dtype)
+    if sums_dv:
+        d_value = head_zeros(block_n, tiling.value, acc_dtype)
     holds_dq = sum_dq and _holds_dq_share(tiling.qk)
 
     for group_member in range(members):
@@ -352,7 +390,7 @@ def attention_backward_dkdv_kernel(
         state = KeyState(d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
         tile = KeyTile(
             k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols, scoring,
-            bias_grad, sum_dq,
+            bias_grad, sum_dq, part,
         )  # fmt: skip
         if block_sparse:
             lists = tile_lists(MaskCounts, MaskTiles, seq, q_head)
@@ -362,17 +400,21 @@ def attention_backward_dkdv_kernel(
         d_key, d_value = state.d_key, state.d_value
         if holds_dq:
             add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, tiling.qk)
-        if bias_grad == BIAS_ONE_ROW:
+        if sums_dk and bias_grad == BIAS_ONE_ROW:
             d_bias = state.d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)
             ct.store(DBias, index=(b, q_head, 0, kv_tile), tile=d_bias)
 
-    d_key = head_scaled(d_key, softmax_scale, tiling.qk)
-    if sum_dkdv:
-        add_head(dK, b, kv_head, kv_tile, d_key, block_n, tiling.qk)
-        add_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value)
-    else:
-        store_head(dK, b, kv_head, kv_tile, d_key, block_n, tiling.qk)
-        store_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value)
+    if sums_dk:
+        d_key = head_scaled(d_key, softmax_scale, tiling.qk)
+        if sum_dkdv:
+            add_head(dK, b, kv_head, kv_tile, d_key, block_n, tiling.qk)
+        else:
+            store_head(dK, b, kv_head, kv_tile, d_key, block_n, tiling.qk)
+    if sums_dv:
+        if sum_dkdv:
+            add_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value)
+        else:
+            store_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value)
 
 
 @ct.function

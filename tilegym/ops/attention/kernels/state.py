@@ -205,6 +205,7 @@ class KeyTile:
     scoring: Value  # Scoring
     bias_grad: Value  # compile-time: BIAS_NONE, or the bias mode whose gradient is written
     sum_dq: Value  # compile-time: the fused backward, dQ summed here
+    part: Value  # compile-time: what the program sums, DKDV_BOTH, DKDV_VALUE or DKDV_KEY
 
 
 @dataclass(frozen=True)
