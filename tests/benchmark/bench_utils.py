@@ -1022,6 +1022,9 @@ def main(description: str, modes: tuple[str, ...], prefix: str, training_forward
         print(table(results))
         print()
         print(markdown_summary(results))
+        if any("--goal" in meta.get("command", "") for meta in metas):
+            print()
+            print(goal_summary(results))
         for meta in metas:
             _print_first_call(meta)
         print(f"\n{len(drawn)} figures in {args.out}")

@@ -138,3 +138,18 @@ def _assert_index_lists(index: Path, out: Path):
 
 def test_cli_committed_index_lists_every_committed_figure():
     _assert_index_lists(ROOT / "docs" / "benchmarks" / "README.md", COMMITTED)
+
+
+def test_cli_replot_of_the_goal_run_prints_the_goal_table(tmp_path):
+    """The README's table of the backward's goal comes from replotting the committed --goal run:
+    every cell of the goal, one row each, against cuDNN and FlashAttention-4's figures."""
+    goal = COMMITTED / "goal" / "attention_training.json"
+    _, meta = bench_utils.load_json(goal)
+    assert "--goal" in meta["command"]
+    run, _ = _run("bench_attention_backward.py", "--replot", str(goal), "--out", str(tmp_path / "plots"))
+    assert run.returncode == 0, run.stderr
+    # The goal table's rows name the series ("d128-causal-bfloat16"); the summary's before it do not.
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| d") and "-bfloat16" in line.split("|")[1]]
+    assert len(rows) == len(bench_utils.GOAL_HEAD_DIMS) * 2 * len(bench_utils.GOAL_SEQLENS) + 2
+    readme = (ROOT / "README.md").read_text()
+    assert all(row in readme for row in rows), "the README's goal table is not this file's"
