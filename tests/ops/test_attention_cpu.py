@@ -509,6 +509,7 @@ MIN_FUSED = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K
         ("auto", MIN_FUSED, 128, 4, True, False, configs.BACKWARD_FUSED_GROUPED),  # causal query groups
         ("auto", MIN_FUSED, 64, 4, False, False, configs.BACKWARD_FUSED),  # equal programs: not grouped
         ("auto", MIN_FUSED, 256, 2, True, False, None),  # no D=256 table: dV and dK apart
+        ("auto", MIN_FUSED, 192, 2, True, False, None),  # D=256's tables, but dV and dK together
         ("fused", 40, 64, 4, True, True, None),  # deterministic algorithms always get two kernels
         ("two-kernel", MIN_FUSED, 64, 2, True, False, None),
     ],
