@@ -28,6 +28,7 @@ from tilegym.ops.attention.kernels.state import (
     HeadSplit,
     KeyState,
     KeyTile,
+    QueryStep,
     RowStats,
     Scoring,
     Switches,
@@ -141,7 +142,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     tiling = scoring.tiling
     block_m, block_n = tiling.block_m, tiling.block_n
     b, q_head, k = tile.b, tile.q_head, tile.k
-    d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
+    d_value = state.d_value
     acc_dtype = accumulator_dtype(k.main.dtype)
     q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)  # [block_m, D]
     d_out = load_head(tile.dOut, b, q_head, q_tile, block_m, tiling.value)  # [block_m, Dv]
@@ -160,7 +161,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     if tile.sum_dq:
         if _holds_dq_share(tiling.qk):
             # The previous step's share, summed while this step's matmuls run.
-            add_head(tile.DQSum, b, q_head, state.pending_tile, pending_dq, block_m, tiling.qk)
+            add_head(tile.DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, tiling.qk)
     scores_t, capped_tanh_t, natural_t = scores(
         raw_t, rows, tile.cols, q_tile, tile.kv_tile, k.main.dtype, scoring, True
     )
@@ -178,37 +179,33 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     reload_q = tile.sum_dq and not masked
     if sums_dv and not reload_q:
         d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)  # [block_n, Dv]
+    state = KeyState(state.d_key, d_value, state.d_bias_row, state.pending_dq, q_tile)
     if sums_dk:
-        d_key, d_value, d_bias_row, pending_dq = _dk_share(
-            tile, q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t, state, d_key, d_value,
-            d_bias_row, reload_q, sums_dv,
-        )  # fmt: skip
-    return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
+        step = QueryStep(q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t)
+        state = _dk_share(tile, step, state, reload_q, sums_dv)
+    return state
 
 
 @ct.function
-def _dk_share(
-    tile, q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t, state, d_key, d_value,
-    d_bias_row, reload_q: ConstBool, sums_dv: ConstBool,
-):  # fmt: skip
-    """_dkdv_step's part after P: dP, dS, dBias, dK, the dQ share, and dV where Q is loaded
-    twice (reload_q)."""
+def _dk_share(tile, step, state, reload_q: ConstBool, sums_dv: ConstBool):
+    """state plus _dkdv_step's part after P (QueryStep): dP, dS, dBias, dK, the dQ share, and
+    dV where Q is loaded twice (reload_q)."""
     scoring = tile.scoring
     tiling = scoring.tiling
     block_m, block_n = tiling.block_m, tiling.block_n
     b, q_head, k = tile.b, tile.q_head, tile.k
-    pending_dq = state.pending_dq
+    q_tile, q, d_out, rows, probs_t = step.q_tile, step.q, step.d_out, step.rows, step.probs
+    d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
     acc_dtype = probs_t.dtype
     d_probs_t = head_dot(tile.v, d_out, ct.zeros((block_n, block_m), acc_dtype), tiling.value)  # [block_n, block_m]
-    d_scores_t = probs_t * (d_probs_t - delta)  # [block_n, block_m]
+    d_scores_t = probs_t * (d_probs_t - step.delta)  # [block_n, block_m]
     if tile.bias_grad == BIAS_PER_ROW:
         d_bias = ct.transpose(d_scores_t).reshape((1, 1, block_m, block_n)).astype(tile.DBias.dtype)
         ct.store(tile.DBias, index=(b, q_head, q_tile, tile.kv_tile), tile=d_bias)
     elif tile.bias_grad == BIAS_ONE_ROW:
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)  # [block_n, 1]
-    d_scores_t = raw_gradient(d_scores_t, capped_tanh_t, natural_t, scores_t, rows, tile.cols, scoring).astype(
-        q.main.dtype
-    )
+    d_scores_t = raw_gradient(d_scores_t, step.capped_tanh, step.natural, step.scores, rows, tile.cols, scoring)
+    d_scores_t = d_scores_t.astype(q.main.dtype)
     if reload_q:
         # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
         # stays busy until dK, so the next step's Q could only be loaded while this step
@@ -229,7 +226,7 @@ def _dk_share(
             pending_dq = d_query
         else:
             add_head(tile.DQSum, b, q_head, q_tile, d_query, block_m, tiling.qk)
-    return d_key, d_value, d_bias_row, pending_dq
+    return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
 
 
 @ct.function

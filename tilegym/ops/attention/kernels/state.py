@@ -209,6 +209,22 @@ class KeyTile:
 
 
 @dataclass(frozen=True)
+class QueryStep:
+    """One step of a dK/dV program once P is known: its query tile and what dK's share needs
+    (key-major: [block_n, block_m] tiles, [1, block_m] rows)."""
+
+    q_tile: Value
+    q: Value  # HeadParts [block_m, D]
+    d_out: Value  # HeadParts [block_m, Dv]
+    delta: Value  # [1, block_m]
+    rows: Value  # [1, block_m] query indices
+    scores: Value  # the scores and what their gradient needs (modifiers.scores)
+    capped_tanh: Value
+    natural: Value
+    probs: Value  # P^T
+
+
+@dataclass(frozen=True)
 class KeyState:
     """A dK/dV program's sums (key-major) and its dQ share held for the next step
     (backward._holds_dq_share): pending_dq belongs to query tile pending_tile."""
