@@ -135,8 +135,8 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     With bias_grad, also writes the tile's dBias (BIAS_PER_ROW) or adds its column sums to
     d_bias_row (BIAS_ONE_ROW). With sum_dq, also adds this key tile's share of dQ (scaled)
     into the fp32 DQSum, a whole tile at a time (a TMA reduction on sm_90); see
-    _holds_dq_share for the pending share. A program of one part (tile.part) sums only dV
-    (no dP, no dS) or only dK.
+    _holds_dq_share for the pending share. A program of one part sums only dV (no dP, no dS)
+    or only dK (tile.sums_dv, tile.sums_dk).
     """
     scoring = tile.scoring
     tiling = scoring.tiling
@@ -146,8 +146,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     acc_dtype = accumulator_dtype(k.main.dtype)
     q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)  # [block_m, D]
     d_out = load_head(tile.dOut, b, q_head, q_tile, block_m, tiling.value)  # [block_m, Dv]
-    sums_dv = tile.part != DKDV_KEY
-    sums_dk = tile.part != DKDV_VALUE
+    sums_dv, sums_dk = tile.sums_dv, tile.sums_dk
     if score_modified(scoring.switches):
         lse = load_lse_padded_inf(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
     else:
@@ -182,12 +181,12 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     state = KeyState(state.d_key, d_value, state.d_bias_row, state.pending_dq, q_tile)
     if sums_dk:
         step = QueryStep(q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t)
-        state = _dk_share(tile, step, state, reload_q, sums_dv)
+        state = _dk_share(tile, step, state, reload_q)
     return state
 
 
 @ct.function
-def _dk_share(tile, step, state, reload_q: ConstBool, sums_dv: ConstBool):
+def _dk_share(tile, step, state, reload_q: ConstBool):
     """state plus _dkdv_step's part after P (QueryStep): dP, dS, dBias, dK, the dQ share, and
     dV where Q is loaded twice (reload_q)."""
     scoring = tile.scoring
@@ -214,7 +213,7 @@ def _dk_share(tile, step, state, reload_q: ConstBool, sums_dv: ConstBool):
         # keeps the two matmuls issued back to back (perf-notes#q-loaded-twice).
         q_again = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)
         d_key = head_product(d_scores_t, q_again, d_key, tiling.qk)
-        if sums_dv:
+        if tile.sums_dv:
             d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)
     else:
         d_key = head_product(d_scores_t, q, d_key, tiling.qk)  # [block_n, D]
@@ -387,7 +386,7 @@ def attention_backward_dkdv_kernel(
         state = KeyState(d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
         tile = KeyTile(
             k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols, scoring,
-            bias_grad, sum_dq, part,
+            bias_grad, sum_dq, sums_dv, sums_dk,
         )  # fmt: skip
         if block_sparse:
             lists = tile_lists(MaskCounts, MaskTiles, seq, q_head)

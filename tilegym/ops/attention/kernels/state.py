@@ -205,7 +205,8 @@ class KeyTile:
     scoring: Value  # Scoring
     bias_grad: Value  # compile-time: BIAS_NONE, or the bias mode whose gradient is written
     sum_dq: Value  # compile-time: the fused backward, dQ summed here
-    part: Value  # compile-time: what the program sums, DKDV_BOTH, DKDV_VALUE or DKDV_KEY
+    sums_dv: Value  # compile-time: the program sums dV (its `part` is not DKDV_KEY)
+    sums_dk: Value  # compile-time: the program sums dK (its `part` is not DKDV_VALUE)
 
 
 @dataclass(frozen=True)
