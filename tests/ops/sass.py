@@ -40,7 +40,7 @@ import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 
 from tilegym import autotune, index_width
-from tilegym.ops.attention import configs
+from tilegym.ops.attention import configs, launch
 from tilegym.ops.attention.variants import VARIANTS
 
 # ---------------------------------------------------------------------------------------------
@@ -107,17 +107,13 @@ def signature(
     index_dtype = ct.int64 if wide else ct.int32
     variant = VARIANTS[name]
     stat_dtype = ct.float64 if dtype == ct.float64 else ct.float32
-    value_dim = value_dim or head_dim
-    # Kernels without block_dv_tail (the preprocess) take V's head dim as one padded tile.
-    block_dv, block_dv_tail = configs.head_dim_tiles(value_dim) if takes(name, "block_dv_tail") else (
-        configs.head_dim_tile(value_dim), 0)  # fmt: skip
     constants = {
         "block_m": config.block_m,
         "block_n": config.block_n,
         "block_d": configs.head_dim_tiles(head_dim)[0],
         "block_d_tail": configs.head_dim_tiles(head_dim)[1],
-        "block_dv": block_dv,
-        "block_dv_tail": block_dv_tail,
+        # V's head dim as the launches tile it.
+        **launch.value_tile_arguments(value_dim or head_dim, parameters(name)),
         "causal": causal,
         **PLAIN,
         **variant.fixed,

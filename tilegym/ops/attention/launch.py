@@ -93,7 +93,8 @@ class _Launcher(TunedLauncher):
         heads = problem.q_heads if variant.heads == "query" else problem.kv_heads
         block = "block_m" if variant.tiles == "query" else "block_n"
         late = ("block_m", "block_n", "MaskCounts", "MaskTiles") if takes_user else ("block_m", "block_n")
-        named = NamedArguments(kernel, {**values, **_value_tiles(problem, kernel), **variant.fixed}, late=late)
+        value_tiles = value_tile_arguments(problem.value_dim, parameter_names(kernel))
+        named = NamedArguments(kernel, {**values, **value_tiles, **variant.fixed}, late=late)
         mask = self.block_mask
 
         tiles = packing.tiles if problem.packing else lambda length, size: math.ceil(length / size)
@@ -129,15 +130,14 @@ def _dense_packing_arguments(device: torch.device) -> MappingProxyType:
     )
 
 
-def _value_tiles(problem: AttentionProblem, kernel) -> dict:
-    """block_dv, and block_dv_tail, of a kernel that tiles V's head dim: split as Q's
-    (configs.head_dim_tiles) where the kernel takes a tail, else one tile padded to a power of two
-    (the forward, kernels/forward.py says why, and the row reductions)."""
-    names = parameter_names(kernel)
+def value_tile_arguments(value_dim: int, names: tuple[str, ...]) -> dict:
+    """block_dv, and block_dv_tail, of a kernel with parameters `names` that tiles V's head dim:
+    split as Q's (configs.head_dim_tiles) where the kernel takes a tail, else one tile padded to a
+    power of two (the forward, kernels/forward.py says why, and the row reductions)."""
     if "block_dv_tail" in names:
-        block_dv, block_dv_tail = configs.head_dim_tiles(problem.value_dim)
+        block_dv, block_dv_tail = configs.head_dim_tiles(value_dim)
         return {"block_dv": block_dv, "block_dv_tail": block_dv_tail}
-    return {"block_dv": configs.head_dim_tile(problem.value_dim)} if "block_dv" in names else {}
+    return {"block_dv": configs.head_dim_tile(value_dim)} if "block_dv" in names else {}
 
 
 def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor) -> dict:
