@@ -25,8 +25,14 @@ REGULAR = [
     Case("regular", 2, 4, 4, 256, 256, 64),
     Case("regular-d128", 2, 4, 4, 512, 512, 128),
 ]
+# Cases other test files name one by one as well.
+ODD_LENGTHS = Case("odd-lengths", 2, 3, 3, 77, 77, 64)
+SQ_GT_SK = Case("sq-gt-sk", 2, 2, 2, 300, 100, 64)  # causal: the first 200 queries see no key
+GQA_4TO1 = Case("gqa-4to1", 1, 8, 2, 130, 257, 128)
+MQA = Case("mqa", 2, 6, 1, 97, 97, 128)
+
 IRREGULAR = [
-    Case("odd-lengths", 2, 3, 3, 77, 77, 64),
+    ODD_LENGTHS,
     Case("prime-lengths", 1, 2, 2, 251, 131, 128),
     Case("seqlen-1", 2, 2, 2, 1, 1, 64),
     Case("one-query-many-keys", 1, 2, 2, 1, 300, 64),
@@ -40,14 +46,14 @@ CORNERS = [
 ]
 SEQLEN_MISMATCH = [
     Case("sq-lt-sk", 2, 2, 2, 100, 300, 64),
-    Case("sq-gt-sk", 2, 2, 2, 300, 100, 64),  # causal: the first 200 queries see no key
+    SQ_GT_SK,
     Case("sq-gt-sk-tiny", 1, 2, 2, 70, 3, 128),
 ]
 GQA = [
     Case("gqa-2to1", 2, 8, 4, 200, 200, 64),
-    Case("gqa-4to1", 1, 8, 2, 130, 257, 128),
+    GQA_4TO1,
     Case("gqa-8to1", 1, 16, 2, 256, 256, 64),
-    Case("mqa", 2, 6, 1, 97, 97, 128),
+    MQA,
 ]
 HEAD_DIMS = [Case(f"d{d}", 1, 2, 2, 150, 150, d) for d in (32, 64, 80, 96, 128, 192, 256)]
 
@@ -110,3 +116,22 @@ def reference_run(q, k, v, d_out, causal: bool, kwargs: dict, compute_dtype, d_l
         outputs.append(lse)
         upstream.append(d_lse.to(compute_dtype))
     return out, lse, torch.autograd.grad(outputs, inputs, upstream)
+
+
+def capture_training_step(step, leaves):
+    """(graph, what step returned in the capture): step, a training step, captured in a CUDA graph
+    after two warm-up calls on a side stream (compiles, tunes and builds block masks' lists
+    outside the capture), with the leaves' gradients reset first so that the capture allocates
+    them (the graph's static gradients)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result

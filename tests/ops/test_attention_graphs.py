@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import EPS, Case, make_inputs, max_error
+from tests.ops.attention_cases import EPS, Case, capture_training_step, make_inputs, max_error
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_with_backward
 from tilegym.ops.attention import custom_ops
@@ -160,17 +160,7 @@ def test_op_attention_training_step_in_a_cuda_graph(causal, backward, monkeypatc
         out.backward(d_out)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles and tunes outside the capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in (q, k, v):
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_training_step(step, (q, k, v))
 
     with torch.no_grad():
         for t in (q, k, v, d_out):

@@ -14,7 +14,17 @@ import cuda.tile as ct
 import pytest
 import torch
 
-from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error
+from tests.ops.attention_cases import (
+    GQA_4TO1,
+    MQA,
+    ODD_LENGTHS,
+    SQ_GT_SK,
+    Case,
+    assert_close_to_reference,
+    capture_training_step,
+    make_inputs,
+    max_error,
+)
 from tests.ops.conftest import requires_cuda
 from tilegym import (
     UserFunctionError,
@@ -29,10 +39,6 @@ from tilegym.ops.attention.reference import attention_reference
 
 pytestmark = requires_cuda
 
-ODD = Case("odd", 2, 3, 3, 77, 77, 64)
-GQA = Case("gqa-4to1", 1, 8, 2, 130, 257, 128)
-SQ_GT_SK = Case("sq-gt-sk", 2, 2, 2, 300, 100, 64)
-MQA = Case("mqa", 2, 6, 1, 97, 97, 128)
 DOCS = Case("docs", 2, 4, 2, 300, 300, 64)
 WIDE = Case("wide", 2, 2, 1, 333, 333, 128)
 
@@ -125,12 +131,12 @@ def _relative_in_documents(case, dtype):
 
 # name -> (case, causal, builder)
 CASES = {
-    "softcap": (ODD, False, _softcap),
-    "softcap-gqa-causal": (GQA, True, _softcap),
+    "softcap": (ODD_LENGTHS, False, _softcap),
+    "softcap-gqa-causal": (GQA_4TO1, True, _softcap),
     "alibi-causal": (MQA, True, _alibi),
     "alibi-sq-gt-sk": (SQ_GT_SK, False, _alibi),
-    "relative-table": (GQA, False, _relative),
-    "relative-table-causal": (ODD, True, _relative),
+    "relative-table": (GQA_4TO1, False, _relative),
+    "relative-table-causal": (ODD_LENGTHS, True, _relative),
     "documents": (DOCS, False, _documents),
     "documents-causal": (DOCS, True, _documents),
     "prefix-lm": (DOCS, False, _prefix_lm),
@@ -291,7 +297,7 @@ def test_op_attention_block_mask_skips_empty_tiles():
 def test_op_attention_programmable_kernels_are_keyed_by_function():
     """Two functions that differ only in a closed-over constant get different kernels and
     results; the same function defined twice shares one."""
-    case = ODD
+    case = ODD_LENGTHS
     q, k, v = make_inputs(case, torch.bfloat16)
     outs = {cap: tile_fmha(q, k, v, is_causal=False, **sf.softcap(cap)) for cap in (1.0, 8.0)}
     refs = {cap: attention_reference(q, k, v, is_causal=False, softcap=cap)[0] for cap in (1.0, 8.0)}
@@ -309,7 +315,7 @@ def _not_compilable(score, b, h, q_idx, kv_idx, aux):
 def test_op_attention_programmable_compile_error_names_the_function():
     """A function cuTile cannot compile is a UserFunctionError naming it and its file before any
     launch; the GPU stays usable."""
-    q, k, v = make_inputs(ODD, torch.bfloat16)
+    q, k, v = make_inputs(ODD_LENGTHS, torch.bfloat16)
     with pytest.raises(UserFunctionError, match=r"_not_compilable.*test_attention_programmable\.py:\d+"):
         tile_fmha(q, k, v, score_mod=_not_compilable)
     out = tile_fmha(q, k, v, is_causal=False, **sf.softcap(4.0))
@@ -318,7 +324,7 @@ def test_op_attention_programmable_compile_error_names_the_function():
 
 
 def test_op_attention_programmable_bad_arguments():
-    q, k, v = make_inputs(ODD, torch.bfloat16, requires_grad=True)
+    q, k, v = make_inputs(ODD_LENGTHS, torch.bfloat16, requires_grad=True)
     capped = sf.softcap(4.0)
     with pytest.raises(ValueError, match="score_mod_grad"):
         tile_fmha_with_backward(q, k, v, score_mod=capped["score_mod"])
@@ -365,17 +371,7 @@ def test_op_attention_programmable_in_a_cuda_graph():
         out.backward(d_out)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles and makes the mask's lists outside the capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in leaves:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_training_step(step, leaves)
 
     with torch.no_grad():
         for t in (q, k, v, d_out):
@@ -400,7 +396,7 @@ def test_op_attention_programmable_in_a_cuda_graph():
 def test_op_attention_programmable_under_torch_compile():
     """torch.compile runs a call with module-level functions (eagerly, at a graph break) and
     gives the eager values and gradients."""
-    case = GQA
+    case = GQA_4TO1
     q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
     slopes = torch.rand(case.q_heads, device="cuda") * 0.1
     kwargs = sf.alibi(slopes, case.seqlen_q, case.seqlen_k)

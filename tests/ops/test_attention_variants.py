@@ -10,7 +10,17 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error, reference_run
+from tests.ops.attention_cases import (
+    GQA_4TO1,
+    MQA,
+    ODD_LENGTHS,
+    SQ_GT_SK,
+    Case,
+    assert_close_to_reference,
+    make_inputs,
+    max_error,
+    reference_run,
+)
 from tests.ops.conftest import requires_cuda
 from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import launch
@@ -19,10 +29,6 @@ from tilegym.ops.attention.reference import attention_reference
 
 pytestmark = requires_cuda
 
-ODD = Case("odd-lengths", 2, 3, 3, 77, 77, 64)
-GQA = Case("gqa-4to1", 1, 8, 2, 130, 257, 128)
-SQ_GT_SK = Case("sq-gt-sk", 2, 2, 2, 300, 100, 64)
-MQA = Case("mqa", 2, 6, 1, 97, 97, 128)
 # Key lengths whose bias rows are 16-byte aligned, as in training: the bias is then read by
 # TMA, which the odd lengths above never reach (a broadcast row once faulted only here).
 ALIGNED = Case("aligned", 2, 4, 4, 256, 256, 128)
@@ -55,28 +61,28 @@ def _alibi(case: Case, per_batch: bool):
 
 # name -> (case, causal, builder of the keyword arguments)
 VARIANTS = {
-    "bias-full": (ODD, False, lambda c, dt: {"attn_bias": _bias("full", c, dt, True)}),
+    "bias-full": (ODD_LENGTHS, False, lambda c, dt: {"attn_bias": _bias("full", c, dt, True)}),
     "bias-full-causal": (SQ_GT_SK, True, lambda c, dt: {"attn_bias": _bias("full", c, dt, True)}),
-    "bias-one-row": (GQA, True, lambda c, dt: {"attn_bias": _bias("one-row", c, dt, True)}),
+    "bias-one-row": (GQA_4TO1, True, lambda c, dt: {"attn_bias": _bias("one-row", c, dt, True)}),
     "bias-one-row-aligned": (ALIGNED, False, lambda c, dt: {"attn_bias": _bias("one-row", c, dt, True)}),
     "bias-batch-rows-aligned": (ALIGNED_D64, True, lambda c, dt: {"attn_bias": _bias("batch-rows", c, dt, True)}),
-    "bias-2d-gqa": (GQA, False, lambda c, dt: {"attn_bias": _bias("2d", c, dt, True)}),
-    "bias-batch-rows": (ODD, True, lambda c, dt: {"attn_bias": _bias("batch-rows", c, dt, True)}),
+    "bias-2d-gqa": (GQA_4TO1, False, lambda c, dt: {"attn_bias": _bias("2d", c, dt, True)}),
+    "bias-batch-rows": (ODD_LENGTHS, True, lambda c, dt: {"attn_bias": _bias("batch-rows", c, dt, True)}),
     "bias-key-broadcast": (MQA, False, lambda c, dt: {"attn_bias": _bias("key-broadcast", c, dt, True)}),
-    "bias-expanded": (ODD, False, lambda c, dt: {"attn_bias": _bias("expanded", c, dt, True)}),
+    "bias-expanded": (ODD_LENGTHS, False, lambda c, dt: {"attn_bias": _bias("expanded", c, dt, True)}),
     "bias-fp32": (MQA, True, lambda c, dt: {"attn_bias": _bias("full", c, torch.float32, True)}),
-    "bias-neg-inf": (ODD, False, lambda c, dt: {"attn_bias": _bias("full", c, dt, True, neg_inf=True)}),
-    "window": (ODD, False, lambda c, dt: {"window_size": (19, 7)}),
-    "window-left": (GQA, False, lambda c, dt: {"window_size": (40, -1)}),
+    "bias-neg-inf": (ODD_LENGTHS, False, lambda c, dt: {"attn_bias": _bias("full", c, dt, True, neg_inf=True)}),
+    "window": (ODD_LENGTHS, False, lambda c, dt: {"window_size": (19, 7)}),
+    "window-left": (GQA_4TO1, False, lambda c, dt: {"window_size": (40, -1)}),
     "window-right": (SQ_GT_SK, False, lambda c, dt: {"window_size": (-1, 30)}),
-    "window-causal": (GQA, True, lambda c, dt: {"window_size": (64, 0)}),
+    "window-causal": (GQA_4TO1, True, lambda c, dt: {"window_size": (64, 0)}),
     "window-sq-gt-sk": (SQ_GT_SK, True, lambda c, dt: {"window_size": (5, -1)}),
-    "softcap": (ODD, False, lambda c, dt: {"softcap": 2.0}),
-    "softcap-causal": (GQA, True, lambda c, dt: {"softcap": 5.0}),
+    "softcap": (ODD_LENGTHS, False, lambda c, dt: {"softcap": 2.0}),
+    "softcap-causal": (GQA_4TO1, True, lambda c, dt: {"softcap": 5.0}),
     "alibi": (MQA, True, lambda c, dt: {"alibi_slopes": _alibi(c, False)}),
     "alibi-per-batch": (SQ_GT_SK, False, lambda c, dt: {"alibi_slopes": _alibi(c, True)}),
     "all": (
-        GQA,
+        GQA_4TO1,
         True,
         lambda c, dt: {
             "attn_bias": _bias("one-row", c, dt, True),

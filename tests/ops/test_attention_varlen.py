@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tests.ops.attention_cases import EPS, assert_close_to_reference, max_error
+from tests.ops.attention_cases import EPS, assert_close_to_reference, capture_training_step, max_error
 from tests.ops.conftest import requires_cuda
 from tests.ops.test_attention_varlen_cpu import BAD_LENGTH_ARGUMENTS, valid_arguments
 from tilegym import tile_fmha_functional, tile_fmha_varlen
@@ -589,18 +589,8 @@ def _capture_training_step(batch: Packed, causal: bool):
         torch.autograd.backward((out, lse), (d_out, d_lse))
         return out, lse
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in (q, k, v):
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
-    return graph, (q, k, v, d_out, d_lse), (out, lse)
+    graph, outputs = capture_training_step(step, (q, k, v))
+    return graph, (q, k, v, d_out, d_lse), outputs
 
 
 def _replay_and_check(graph, batch: Packed, static_inputs, outputs, causal):
