@@ -11,7 +11,8 @@ tables, so a new variant is compiled and checked without touching this file:
   ptxas does when it lacks registers to pipeline them); variants that sum dQ (fixed sum_dq) add
   their fp32 sums by TMA reductions: each is a slowdown that CPU CI can catch;
 - every variant's plain code matches its stored fingerprint (sass.fingerprint_cases);
-- the modifiable variants compile with each score modifier, the int64-indexed twins compile.
+- each variant compiles with every score modifier it takes (Variant.modifiers), the int64-indexed
+  twins compile.
 
 Only the head-dim tile enters the code (sass.signature), so head dims 80 and 96 are not
 compiled apart from 128; a variant without the `causal` switch is compiled once.
@@ -23,7 +24,13 @@ import pytest
 
 from tests.ops import sass
 from tilegym.ops.attention import configs
-from tilegym.ops.attention.variants import BACKWARD_DK, BACKWARD_DV, BACKWARD_PREPROCESS, VARIANTS
+from tilegym.ops.attention.variants import (
+    BACKWARD_DK,
+    BACKWARD_DV,
+    BACKWARD_PREPROCESS,
+    SCORE_SWITCHES,
+    VARIANTS,
+)
 
 # Each compile takes seconds: python -m pytest -m "not slow" leaves them out.
 slow = pytest.mark.slow
@@ -133,21 +140,23 @@ _ROW_SWITCHES = {
     "sinks-grad": {"sinks_grad": True, "lse_grad": True},
     "sinks-grad-window": {"sinks_grad": True, "lse_grad": True, "windowed": True},
 }
-MODIFIABLE = tuple(name for name, variant in VARIANTS.items() if variant.modifiable)
+MODIFIABLE = tuple(name for name, variant in VARIANTS.items() if variant.modifiers == SCORE_SWITCHES)
+# Variants that take some score switches (the fused backward: a window alone).
+TAKES_SCORE_SWITCHES = tuple(name for name, variant in VARIANTS.items() if variant.modifiers)
 
 
 def _takes(name: str, switches: dict) -> bool:
-    """Whether a variant takes these switches (a score modifier needs a modifiable variant)."""
-    score_switches = [switch for switch in switches if switch in _SWITCHES["all"]]
-    if score_switches and name not in MODIFIABLE:
+    """Whether a variant takes these switches: score switches only those it was built for
+    (Variant.modifiers), the others where its kernel has the parameter."""
+    score_switches = {switch for switch in switches if switch in SCORE_SWITCHES}
+    if not score_switches <= VARIANTS[name].modifiers:
         return False
-    return all(switch in _SWITCHES["all"] or sass.takes(name, switch) for switch in switches)
+    return all(switch in SCORE_SWITCHES or sass.takes(name, switch) for switch in switches)
 
 
 def _compile_modified():
     for label, switches in {**_SWITCHES, **_BIAS_GRADS, **_ROW_SWITCHES}.items():
-        names = MODIFIABLE if label in _SWITCHES else VARIANTS
-        for name in (name for name in names if _takes(name, switches)):
+        for name in (name for name in VARIANTS if _takes(name, switches)):
             for head_dim in TUNED_HEAD_DIMS:
                 yield pytest.param(name, ct.bfloat16, head_dim, switches, id=f"{name}-d{head_dim}-{label}")
         for name in MODIFIABLE:
@@ -155,7 +164,7 @@ def _compile_modified():
                 with_grad = {**switches, "bias_grad": switches.get("bias_mode", 0)}
                 yield pytest.param(name, ct.float64, 64, with_grad, id=f"{name}-d64-fp64-{label}")
     for switch in ("with_sinks", "sinks_grad"):
-        for name in (name for name in MODIFIABLE if sass.takes(name, switch)):
+        for name in (name for name in VARIANTS if _takes(name, {switch: True, "windowed": True})):
             yield pytest.param(name, ct.float64, 64, {switch: True, "windowed": True}, id=f"{name}-d64-fp64-{switch}")
 
 
@@ -235,7 +244,7 @@ PACKED_MATRIX = [
     for name in PACKED
     for causal in _causal_forms(name)
     for head_dim, label, switches in [(d, "plain", {}) for d in (64, 128, 192, 256)]
-    + [(d, "modifiers", _PACKED_MODIFIERS) for d in TUNED_HEAD_DIMS if VARIANTS[name].modifiable]
+    + [(d, "modifiers", _PACKED_MODIFIERS) for d in TUNED_HEAD_DIMS if _takes(name, _PACKED_MODIFIERS)]
     if configs.candidates(name, "sm_90", head_dim, 2) and _runs_at(name, head_dim, head_dim)
 ]
 
@@ -269,7 +278,7 @@ def test_every_variant_is_covered():
     for name in (name for name, variant in VARIANTS.items() if variant.default):
         for arch in ARCHS:
             assert all(configs.candidates(name, arch, d, 2) for d in HEAD_DIM_TILES), f"{name}: no full {arch} table"
-    assert {param.values[0] for param in MODIFIED_MATRIX} == set(MODIFIABLE) | ROW_SWITCH_VARIANTS
+    assert {param.values[0] for param in MODIFIED_MATRIX} == set(TAKES_SCORE_SWITCHES) | ROW_SWITCH_VARIANTS
     cases = sass.fingerprint_cases()
     # Variants of wide heads alone (an sm_90 table at D=256 only) have no D=64 or 128 code to keep.
     wide_only = {

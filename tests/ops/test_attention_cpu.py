@@ -456,11 +456,13 @@ def test_op_wide_problems_launch_int64_indexed_twins(monkeypatch):
 # ---- fused backward ---------------------------------------------------------------------------
 
 
-def _recorded_backward(monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, causal=True):
+def _recorded_backward(monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, causal=True, mods=score_mods.PLAIN):
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
     q, k, v = _cpu_inputs(q_shape=(batch, q_heads, seqlen, head_dim), kv_shape=(batch, 2, seqlen, head_dim))
-    problem = problem_mod.AttentionProblem(batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal)
+    problem = problem_mod.AttentionProblem(
+        batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal, mods=mods
+    )
     out, lse = torch.randn_like(q), torch.randn(batch, q_heads, seqlen)
     grads = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem)
     return [name for name, *_ in _RecordingLauncher.launches], _RecordingLauncher.launches, grads
@@ -523,6 +525,33 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     apart = [configs.BACKWARD_DV, configs.BACKWARD_DK] if head_dim == 256 else [configs.BACKWARD_DKDV]
     two_kernels = [configs.BACKWARD_DQ, *apart]
     assert names == ([configs.BACKWARD_PREPROCESS, expected] if expected else two_kernels)
+
+
+@pytest.mark.parametrize(
+    "mods, head_dim, fused",
+    [
+        (ScoreMods(window=(64, 0)), 128, True),  # a window only hides scores: the fused tables compile clean
+        (ScoreMods(window=(64, 0), sinks=True), 96, True),
+        (ScoreMods(window=(64, 0)), 64, False),  # lost at D=64 (FUSED_WINDOW_HEAD_DIM_TILES)
+        (ScoreMods(softcap=2.0), 128, False),  # spilled on the fused tables
+        (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
+    ],
+    ids=["window", "window-sinks-d96", "window-d64", "softcap", "window-softcap"],
+)
+def test_op_fused_backward_takes_only_the_switches_it_compiles_with(monkeypatch, mods, head_dim, fused):
+    monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
+    names, launches, _ = _recorded_backward(
+        monkeypatch, MIN_FUSED, head_dim, q_heads=2, batch=1, causal=False, mods=mods
+    )
+    if not fused:
+        assert configs.BACKWARD_FUSED not in names
+        return
+    assert names == [configs.BACKWARD_PREPROCESS, configs.BACKWARD_FUSED]
+    import inspect
+
+    _, kernel, _, args, _ = launches[1]
+    values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
+    assert values["windowed"] is True and (values["window_left"], values["window_right"]) == (64, 0)
 
 
 def test_op_backward_choice_rejects_unknown_values(monkeypatch):

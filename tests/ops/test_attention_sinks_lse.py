@@ -93,6 +93,15 @@ def test_op_sinks_head_dims(head_dim):
     check(case, torch.bfloat16, True, {"sinks": _sinks(case), "window_size": (64, 0)}, lse_grad=True)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_op_sinks_window_fused_backward(head_dim, monkeypatch):
+    """Sinks and a window with the fused backward forced (it takes both): the sinks' gradient from
+    its preprocess, dQ from its sums."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    case = Case(f"gqa-d{head_dim}", 2, 8, 2, 300, 300, head_dim)
+    check(case, torch.bfloat16, True, {"sinks": _sinks(case), "window_size": (100, 0)}, lse_grad=True)
+
+
 LSE_CASES = {
     "plain-odd": (ODD, False, {}),
     "plain-causal-gqa": (GQA, True, {}),

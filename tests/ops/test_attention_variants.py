@@ -5,6 +5,7 @@ The error yardstick is the same reference run in the inputs' dtype (PyTorch SDPA
 softcap): ours must be within ERROR_RATIO (RMS) and MAX_ERROR_RATIO (max) of its error.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -142,6 +143,21 @@ def check_variant(case: Case, dtype, causal: bool, kwargs: dict):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_op_attention_variant(name):
     case, causal, build = VARIANTS[name]
+    check_variant(case, torch.bfloat16, causal, build(case, torch.bfloat16))
+
+
+# The fused backward takes a sliding window alone (variants.WINDOW_ONLY): each window case with it
+# forced, at head dims of both fused tables (96 runs as 64 + 32 on the 128 table); the causal
+# cases with query groups take its grouped form.
+WINDOW_CASES = [name for name in VARIANTS if name.startswith("window")]
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_op_attention_window_fused_backward(name, head_dim, monkeypatch):
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    case, causal, build = VARIANTS[name]
+    case = dataclasses.replace(case, why=f"{case.why}-d{head_dim}", head_dim=head_dim)
     check_variant(case, torch.bfloat16, causal, build(case, torch.bfloat16))
 
 

@@ -13,6 +13,7 @@ from tilegym.ops.attention.variants import (
     BACKWARD_FUSED,
     BACKWARD_FUSED_GROUPED,
     FORWARD_FIXED_MAX,
+    VARIANTS,
 )
 
 # The fused backward (dK/dV kernel summing dQ by TMA reductions) beats the two-kernel one from
@@ -21,6 +22,9 @@ from tilegym.ops.attention.variants import (
 # it wins without a mask and ties with one, at 1024 it loses causal
 # (perf-notes#causal-mask-fused-threshold).
 FUSED_BACKWARD_MIN_SEQLEN_K = 2048
+# With a sliding window (1024 keys) the fused backward won at D=128 (bwd +4-11% at 4096 and 16384
+# keys) and lost at D=64 (-1 to -9%) (perf-notes#fused-backward-window). Keyed by head-dim tile.
+FUSED_WINDOW_HEAD_DIM_TILES = (128,)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -40,11 +44,12 @@ def backward_choice() -> str:
 def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> str | None:
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
-    Fused only for dense batches of plain attention (sinks allowed), V no wider than Q, where the arch has a fused
-    table (candidates(name) is not empty), never under torch.use_deterministic_algorithms (the
+    Fused only for dense batches whose score switches the variant takes (a sliding window, sinks;
+    Variant.modifiers), without dBias, V no wider than Q, where the arch has a fused table
+    (candidates(name) is not empty), never under torch.use_deterministic_algorithms (the
     order of the fp32 sums varies between runs); "auto" also needs FUSED_BACKWARD_MIN_SEQLEN_K
-    keys. Causal grouped-query attention takes the grouped form: a program per query head
-    (perf-notes#gqa-program-per-head).
+    keys, and with a window a head dim in FUSED_WINDOW_HEAD_DIM_TILES. Causal grouped-query
+    attention takes the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
@@ -55,15 +60,18 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return None
     grouped = problem.causal and problem.query_group_size > 1
     name = BACKWARD_FUSED_GROUPED if grouped else BACKWARD_FUSED
-    if not problem.mods.plain_scores or bias_grad or not candidates(name):
+    if not problem.mods.switches <= VARIANTS[name].modifiers or bias_grad or not candidates(name):
         return None
     if problem.value_dim > problem.head_dim:
         # A V wider than Q adds dV accumulators the fused tables were not sized for: Dqk=64 with
         # Dv=128 spills on the D=128 table's 64x128 tiles (sm_90, 145 local loads and stores).
         return None
-    if choice == "fused" or problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K:
+    if choice == "fused":
         return name
-    return None
+    windowed = problem.mods.window is not None
+    if windowed and configs.head_dim_tile(problem.tuning_head_dim) not in FUSED_WINDOW_HEAD_DIM_TILES:
+        return None
+    return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
 
 
 def split_dkdv(problem: AttentionProblem, candidates) -> bool:

@@ -48,12 +48,24 @@ class ScoreMods:
     user: object = None
 
     @property
+    def switches(self) -> frozenset:
+        """The score switches this call sets, named as variants.SCORE_SWITCHES names them: a
+        variant runs the call only if it takes them all (variants.Variant.modifiers)."""
+        used = {
+            "bias_mode": self.bias_mode != BIAS_NONE,
+            "windowed": self.window is not None,
+            "capped": bool(self.softcap),
+            "alibi": self.alibi,
+            "functions": self.user is not None,
+        }
+        return frozenset(name for name, on in used.items() if on)
+
+    @property
     def plain_scores(self) -> bool:
         """No modifier but sinks: the scores and masks of plain attention, so the plain kernels'
-        configs, the fixed-max forward and the fused backward apply (sinks touch only each
-        row's epilogue and statistics)."""
-        builtin = self.bias_mode == BIAS_NONE and self.window is None and not self.softcap and not self.alibi
-        return builtin and self.user is None
+        configs and the fixed-max forward apply (sinks touch only each row's epilogue and
+        statistics)."""
+        return not self.switches
 
     @property
     def changes_scores(self) -> bool:

@@ -4,7 +4,7 @@ compile tests, the SASS tools and the benchmarks read.
 
 A variant is a kernel with some compile-time parameters pinned (LSE written or not, a fixed
 row max, dQ summed into the dK/dV kernel, ...). The score modifiers' switches are not pinned:
-they come from the call, and a variant says whether it takes them.
+they come from the call, and a variant says which of them it takes.
 """
 
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ class Variant:
     fixed: MappingProxyType  # compile-time parameter -> the value this variant pins
     tiles: str  # "query" or "key": the sequence whose tiles grid axis 0 counts
     heads: str  # "query" or "kv": the heads grid axis 1 counts (axis 2 is the batch)
-    modifiable: bool  # compiles with the score modifiers' switches (else plain attention only)
+    modifiers: frozenset  # the score switches (SCORE_SWITCHES) it compiles with; empty: plain scores only
     default: bool  # has a config table on every arch; the others only where they win
     about: str
 
@@ -30,9 +30,20 @@ class Variant:
         return getattr(kernels, self.kernel_name)
 
 
-def _variant(name, kernel_name, grid, about, modifiable=True, default=True, **fixed) -> Variant:
+# The compile-time switches of the modifiers that change or hide scores, as
+# score_mods.ScoreMods.switches names those of a call: the kernels' switch parameters, and
+# "functions" for the caller's score and mask functions (inlined into kernel copies). Sinks and
+# the LSE's gradient touch only each row's statistics: every variant that takes them does.
+SCORE_SWITCHES = frozenset({"bias_mode", "windowed", "capped", "alibi", "functions"})
+PLAIN_SCORES = frozenset()
+# A sliding window only hides scores: the fused backward compiles with it on its plain tables
+# without spilling, where ALiBi and softcap spilled (sm_90: up to 17 and 289 local loads).
+WINDOW_ONLY = frozenset({"windowed"})
+
+
+def _variant(name, kernel_name, grid, about, modifiers=SCORE_SWITCHES, default=True, **fixed) -> Variant:
     tiles, heads = grid
-    return Variant(name, kernel_name, MappingProxyType(fixed), tiles, heads, modifiable, default, about)
+    return Variant(name, kernel_name, MappingProxyType(fixed), tiles, heads, frozenset(modifiers), default, about)
 
 
 FORWARD = "attention_forward"
@@ -82,7 +93,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "inference forward, a fixed row max per query tile",
-                modifiable=False,
+                modifiers=PLAIN_SCORES,
                 default=False,
                 write_lse=False,
                 fixed_max=True,
@@ -92,7 +103,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "training forward, a fixed row max per query tile",
-                modifiable=False,
+                modifiers=PLAIN_SCORES,
                 default=False,
                 write_lse=True,
                 fixed_max=True,
@@ -102,7 +113,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 "attention_backward_preprocess_kernel",
                 _QUERY_TILES,
                 "row statistics of the fused backward",
-                modifiable=False,
+                modifiers=PLAIN_SCORES,
             ),
             _variant(
                 BACKWARD_DKDV, _DKDV_KERNEL, _KEY_TILES, "dK and dV (and dBias) of the two-kernel backward", **_NO_DQ
@@ -118,7 +129,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 _KEY_TILES,
                 "fused backward: dK, dV and dQ summed by TMA reductions",
-                modifiable=False,
+                modifiers=WINDOW_ONLY,
                 default=False,
                 sum_dq=True,
                 sum_dkdv=False,
@@ -129,7 +140,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 ("key", "query"),
                 "fused backward of causal GQA: a program per query head, dK and dV summed too",
-                modifiable=False,
+                modifiers=WINDOW_ONLY,
                 default=False,
                 sum_dq=True,
                 sum_dkdv=True,
@@ -141,7 +152,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _KEY_TILES,
                 "dV alone, before BACKWARD_DK: the two-kernel backward's dK/dV of wide heads, whose two "
                 "accumulators do not fit in one program at large tiles",
-                modifiable=False,
+                modifiers=PLAIN_SCORES,
                 default=False,
                 **_NO_DQ | {"part": DKDV_VALUE},
             ),
@@ -150,7 +161,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 _KEY_TILES,
                 "dK (and dBias) alone, after BACKWARD_DV",
-                modifiable=False,
+                modifiers=PLAIN_SCORES,
                 default=False,
                 **_NO_DQ | {"part": DKDV_KEY},
             ),
