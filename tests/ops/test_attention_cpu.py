@@ -14,6 +14,7 @@ from tilegym.ops.attention import configs, dispatch, launch, score_mods
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
 from tilegym.ops.attention.score_mods import ScoreMods
+from tilegym.ops.attention.variants import VARIANTS
 
 
 def test_op_import_touches_no_gpu():
@@ -532,7 +533,7 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     [
         (ScoreMods(window=(64, 0)), 128, True),  # a window only hides scores: the fused tables compile clean
         (ScoreMods(window=(64, 0), sinks=True), 96, True),
-        (ScoreMods(window=(64, 0)), 64, False),  # lost at D=64 (FUSED_WINDOW_HEAD_DIM_TILES)
+        (ScoreMods(window=(64, 0)), 64, False),  # lost at D=64 (FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
         (ScoreMods(softcap=2.0), 128, False),  # spilled on the fused tables
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
     ],
@@ -765,10 +766,11 @@ def test_op_sinks_without_keys():
 
 @pytest.mark.parametrize("choice", ["auto", "fused"])
 def test_op_packed_launch_arguments(monkeypatch, choice):
-    """A packed batch launches the forward and the two-kernel backward (never the fused one) with
-    varlen on, its cumulative lengths and longest lengths, the [1, H, total, D] views of its own
-    tensors, and a grid of the longest sequence's tiles x heads x sequences; outputs and
-    gradients come back in the packed layout."""
+    """A packed batch launches the forward and the backward (two kernels below 2048 keys; forced
+    fused, causal GQA: the preprocess and the grouped form) with varlen on, its cumulative lengths
+    and longest lengths, the [1, H, total, D] views of its own tensors (fp32 sums of every
+    sequence's rows for what the fused backward sums), and a grid of the longest sequence's tiles
+    x heads x sequences; outputs and gradients come back in the packed layout."""
     import inspect
 
     from tilegym.ops.attention.packing import CuSeqlens
@@ -792,13 +794,18 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
     assert out.shape == (total_q, q_heads, head_dim) and out.is_contiguous() and lse.shape == (q_heads, total_q)
     assert [tuple(g.shape) for g in (grads.dq, grads.dk, grads.dv)] == [tuple(t.shape) for t in (q, k, v)]
     launched = [name for name, *_ in _RecordingLauncher.launches]
-    assert launched == [configs.FORWARD_LSE, configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
-    packed = {"Q": q, "K": k, "V": v, "Out": out, "dOut": d_out, "dQ": grads.dq, "dK": grads.dk, "dV": grads.dv}
+    fused = choice == "fused"
+    backward = [configs.BACKWARD_PREPROCESS, configs.BACKWARD_FUSED_GROUPED]
+    assert launched == [configs.FORWARD_LSE, *(backward if fused else [configs.BACKWARD_DQ, configs.BACKWARD_DKDV])]
+    packed = {"Q": q, "K": k, "V": v, "Out": out, "dOut": d_out}
+    if not fused:
+        packed |= {"dQ": grads.dq, "dK": grads.dk, "dV": grads.dv}
     for name, kernel, grid, args, config in _RecordingLauncher.launches:
         values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
         assert values["varlen"] is True, name
-        assert values["CuSeqlensQ"] is cu_seqlens.q and values["CuSeqlensK"] is cu_seqlens.k, name
-        assert (values["max_seqlen_q"], values["max_seqlen_k"]) == (30, 35), name
+        assert values["CuSeqlensQ"] is cu_seqlens.q and values["max_seqlen_q"] == 30, name
+        if name != configs.BACKWARD_PREPROCESS:  # row-wise: no keys
+            assert values["CuSeqlensK"] is cu_seqlens.k and values["max_seqlen_k"] == 35, name
         for parameter, tensor in packed.items():
             if parameter in values:
                 view = values[parameter]
@@ -806,9 +813,34 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
                 assert view.shape == (1, tensor.shape[1], tensor.shape[0], tensor.shape[2]), f"{name}: {parameter}"
         if "Lse" in values:
             assert values["Lse"].data_ptr() == lse.data_ptr() and values["Lse"].shape == (1, q_heads, total_q), name
-        keys = name == configs.BACKWARD_DKDV
+        if name == configs.BACKWARD_FUSED_GROUPED:
+            for parameter, heads, total in (
+                ("DQSum", q_heads, total_q),
+                ("dK", kv_heads, total_k),
+                ("dV", kv_heads, total_k),
+            ):
+                target = values[parameter]
+                assert target.dtype == torch.float32 and target.shape[:2] == (1, heads), parameter
+                assert total <= target.shape[2] < total + configs.MAX_BLOCK, parameter
+        keys = VARIANTS[name].tiles == "key"
         block = config.block_n if keys else config.block_m
-        assert grid == (math.ceil((35 if keys else 30) / block), kv_heads if keys else q_heads, 2), name
+        heads = q_heads if VARIANTS[name].heads == "query" else kv_heads
+        assert grid == (math.ceil((35 if keys else 30) / block), heads, 2), name
+
+
+@pytest.mark.parametrize("head_dim, fused", [(128, True), (64, False)])
+def test_op_packed_backward_design_choice(monkeypatch, head_dim, fused):
+    """ "auto" on a packed batch whose longest sequence has FUSED_BACKWARD_MIN_SEQLEN_K keys: the
+    fused backward at D=128 only (dispatch.FUSED_SHORT_LOOPS_HEAD_DIM_TILES)."""
+    from tilegym.ops.attention.problem import Packing
+
+    monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
+    seqlen = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K
+    problem = problem_mod.AttentionProblem(
+        2, 2, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, True, packing=Packing(seqlen + 5, seqlen + 5)
+    )
+    chosen = dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False)
+    assert chosen == (configs.BACKWARD_FUSED if fused else None)
 
 
 def test_op_dense_launches_carry_no_packing(monkeypatch):

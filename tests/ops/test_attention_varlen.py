@@ -27,6 +27,7 @@ from tests.ops.attention_cases import EPS, assert_close_to_reference, capture_tr
 from tests.ops.conftest import requires_cuda
 from tests.ops.test_attention_varlen_cpu import BAD_LENGTH_ARGUMENTS, valid_arguments
 from tilegym import tile_fmha_functional, tile_fmha_varlen
+from tilegym.ops.attention import dispatch
 from tilegym.ops.attention.reference import attention_reference, causal_mask
 
 pytestmark = requires_cuda
@@ -642,13 +643,47 @@ def test_op_varlen_cuda_graph_replays_new_lengths(causal, monkeypatch):
     _replay_and_check(graph, batch, static_inputs, outputs, causal)
 
 
+# ---- the fused backward ------------------------------------------------------------------------
+
+# "auto" takes it from 2048 keys (dispatch.fused_backward); forced here on short batches. Each
+# sequence adds its dQ shares into its own rows of one fp32 sum; rows of no sequence stay 0.
+FUSED_LENGTHS = ["zero-first", "zero-middle", "around-tiles", "sq-ne-sk", "sq-gt-sk", "sq-lt-sk"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(3, 3), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("name", FUSED_LENGTHS)
+def test_op_varlen_fused_backward(name, q_heads, kv_heads, head_dim, causal, monkeypatch):
+    """Causal GQA takes the grouped form (dK and dV summed too)."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    lengths_q, lengths_k = LENGTHS[name]
+    batch = pack(lengths_q, lengths_k, q_heads, kv_heads, head_dim, spare_q=5, spare_k=3)
+    check(batch, causal, lse_grad=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_op_varlen_fused_backward_sinks_window(head_dim, monkeypatch):
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2, head_dim)
+    check(batch, True, {"sinks": _sinks(4), "window_size": (32, 0)}, lse_grad=True)
+
+
+def test_op_varlen_fused_backward_chosen_for_long_sequences():
+    """A sequence past FUSED_BACKWARD_MIN_SEQLEN_K keys among short ones: "auto" picks the fused
+    backward for the whole batch."""
+    long = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K + 37
+    check(pack([long, 17, 0, 301], [long, 17, 5, 301], 4, 2, 128), True, lse_grad=True)
+
+
 # ---- determinism -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_op_varlen_backward_is_deterministic(causal):
     """Two backward runs give bitwise-equal dq, dk, dv and dsinks (GQA 4:1, so each K/V head
-    sums the gradients of four query heads)."""
+    sums the gradients of four query heads): below FUSED_BACKWARD_MIN_SEQLEN_K keys "auto" runs
+    the two-kernel backward; see the next test for longer ones."""
     batch = pack([17] * 6 + [700, 0, 301], [17] * 6 + [650, 40, 301], 8, 2, 128)
     q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
     sinks = _sinks(8)
@@ -660,6 +695,25 @@ def test_op_varlen_backward_is_deterministic(causal):
         for _ in range(2)
     )
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), first, second, strict=True):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+def test_op_varlen_long_backward_is_deterministic_on_request():
+    """From FUSED_BACKWARD_MIN_SEQLEN_K keys "auto" sums dQ in fp32 by reductions whose order
+    varies; torch.use_deterministic_algorithms brings back the bitwise-repeatable backward."""
+    long = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K + 37
+    batch = pack([long, 301, 17], None, 4, 2, 128)
+    q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
+    d_out = torch.randn_like(q)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        first, second = (
+            torch.autograd.grad(tile_fmha_varlen(q, k, v, *batch.lengths, is_causal=True), (q, k, v), d_out)
+            for _ in range(2)
+        )
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second, strict=True):
         assert torch.equal(a, b), f"{name} differs between two runs"
 
 

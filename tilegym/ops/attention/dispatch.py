@@ -22,9 +22,11 @@ from tilegym.ops.attention.variants import (
 # it wins without a mask and ties with one, at 1024 it loses causal
 # (perf-notes#causal-mask-fused-threshold).
 FUSED_BACKWARD_MIN_SEQLEN_K = 2048
-# With a sliding window (1024 keys) the fused backward won at D=128 (bwd +4-11% at 4096 and 16384
-# keys) and lost at D=64 (-1 to -9%) (perf-notes#fused-backward-window). Keyed by head-dim tile.
-FUSED_WINDOW_HEAD_DIM_TILES = (128,)
+# Where each key tile sees few query tiles, the fused backward won only at D=128: with a sliding
+# window of 1024 keys (bwd +4-11% at 4096 and 16384 keys, D=64 -1 to -9%;
+# perf-notes#fused-backward-window) and on packed batches of lengths in [128, 4096] (bwd 0 to
+# +10%, D=64 causal -6%; perf-notes#fused-backward-packed). Keyed by head-dim tile.
+FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -44,19 +46,16 @@ def backward_choice() -> str:
 def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> str | None:
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
-    Fused only for dense batches whose score switches the variant takes (a sliding window, sinks;
-    Variant.modifiers), without dBias, V no wider than Q, where the arch has a fused table
-    (candidates(name) is not empty), never under torch.use_deterministic_algorithms (the
-    order of the fp32 sums varies between runs); "auto" also needs FUSED_BACKWARD_MIN_SEQLEN_K
-    keys, and with a window a head dim in FUSED_WINDOW_HEAD_DIM_TILES. Causal grouped-query
-    attention takes the grouped form: a program per query head (perf-notes#gqa-program-per-head).
+    Fused only for calls, dense or packed, whose score switches the variant takes (a sliding
+    window, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
+    fused table (candidates(name) is not empty), never under torch.use_deterministic_algorithms
+    (the order of the fp32 sums varies between runs); "auto" also needs
+    FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), and with a window or
+    packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES. Causal grouped-query attention takes
+    the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
-        return None
-    if problem.packing:
-        # The fused backward sums dQ over rows padded to whole tiles per batch entry; a packed
-        # batch's sequences share rows, so it takes the two-kernel (deterministic) backward.
         return None
     grouped = problem.causal and problem.query_group_size > 1
     name = BACKWARD_FUSED_GROUPED if grouped else BACKWARD_FUSED
@@ -68,8 +67,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return None
     if choice == "fused":
         return name
-    windowed = problem.mods.window is not None
-    if windowed and configs.head_dim_tile(problem.tuning_head_dim) not in FUSED_WINDOW_HEAD_DIM_TILES:
+    short_loops = problem.mods.window is not None or problem.packing is not None
+    if short_loops and configs.head_dim_tile(problem.tuning_head_dim) not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
         return None
     return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
 

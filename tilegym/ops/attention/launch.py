@@ -391,7 +391,7 @@ def backward(
         for step in steps:
             launcher.launch(step)
     if targets.dq is not dq:  # the fused backward summed into fp32 targets
-        targets.copy_to(dq, dk, dv, problem)
+        targets.copy_to(dq, dk, dv)
     d_sinks = row_grads.d_sinks_partial.sum(dim=(0, 2)) if sinks_grad else None
     return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks, d_aux)
 
@@ -582,10 +582,11 @@ def _backward_steps(
     }
     if fused:
         # Every dK/dV program needs the row statistics of every query tile: a kernel of their own.
+        packed = {name: shared[name] for name in ("CuSeqlensQ", "max_seqlen_q", "varlen")}
         preprocess = launcher.tuned(
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
-             **lse_grad, **sinks_grad},
+             **lse_grad, **sinks_grad, **packed},
             row_grads.reset,
         )  # fmt: skip
         return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets
@@ -615,26 +616,30 @@ class GradientTargets:
         for total in (self.dq, self.dk, self.dv) if self.grouped else (self.dq,):
             total.zero_()
 
-    def copy_to(self, dq, dk, dv, problem: AttentionProblem) -> None:
-        dq.copy_(self.dq[:, :, : problem.seqlen_q, : problem.head_dim])
-        if self.grouped:
-            dk.copy_(self.dk[:, :, : problem.seqlen_k, : problem.head_dim])
-            dv.copy_(self.dv[:, :, : problem.seqlen_k, : problem.value_dim])
+    def copy_to(self, dq, dk, dv) -> None:
+        """Casts the sums into the gradients [B, H, S, D] (packed: [1, H, total, D])."""
+        pairs = ((dq, self.dq), (dk, self.dk), (dv, self.dv)) if self.grouped else ((dq, self.dq),)
+        for gradient, total in pairs:
+            gradient.copy_(total[:, :, : gradient.shape[2], : gradient.shape[3]])
 
 
 def _fused_targets(problem: AttentionProblem, launcher: _Launcher, name: str, dk, dv) -> GradientTargets:
     candidates = launcher.candidates(name)
+    # Packed, one sum of every sequence's rows, each sequence adding into its own.
+    batch = 1 if problem.packing else problem.batch
+    rows_q = problem.packing.total_q if problem.packing else problem.seqlen_q
+    rows_k = problem.packing.total_k if problem.packing else problem.seqlen_k
 
     def padded_sum(heads, seqlen, block, head_dim):
         rows = max(getattr(config, block) for config in candidates)
-        shape = (problem.batch, heads, math.ceil(seqlen / rows) * rows, configs.head_dim_tile(head_dim))
+        shape = (batch, heads, math.ceil(seqlen / rows) * rows, configs.head_dim_tile(head_dim))
         return torch.empty(shape, dtype=torch.float32, device=dk.device)
 
-    dq_sum = padded_sum(problem.q_heads, problem.seqlen_q, "block_m", problem.head_dim)
+    dq_sum = padded_sum(problem.q_heads, rows_q, "block_m", problem.head_dim)
     if name != BACKWARD_FUSED_GROUPED:
         return GradientTargets(dq_sum, dk, dv, grouped=False)
-    dk_sum = padded_sum(problem.kv_heads, problem.seqlen_k, "block_n", problem.head_dim)
-    dv_sum = padded_sum(problem.kv_heads, problem.seqlen_k, "block_n", problem.value_dim)
+    dk_sum = padded_sum(problem.kv_heads, rows_k, "block_n", problem.head_dim)
+    dv_sum = padded_sum(problem.kv_heads, rows_k, "block_n", problem.value_dim)
     return GradientTargets(dq_sum, dk_sum, dv_sum, grouped=True)
 
 

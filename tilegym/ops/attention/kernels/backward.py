@@ -101,22 +101,33 @@ def _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile):
 
 @CachedKernel
 def attention_backward_preprocess_kernel(
-    Out, dOut, Lse, Delta, LseBase2, DLse, Sinks, DSinks, block_m: ConstInt, block_dv: ConstInt, lse_grad: ConstBool,
-    sinks_grad: ConstBool,
+    Out, dOut, Lse, Delta, LseBase2, DLse, Sinks, DSinks, CuSeqlensQ, max_seqlen_q: int, block_m: ConstInt,
+    block_dv: ConstInt, lse_grad: ConstBool, sinks_grad: ConstBool, varlen: ConstBool,
 ):  # fmt: skip
     """The row statistics (_row_stats) for the fused backward, whose dK/dV programs each need
     those of every query tile. The two-kernel backward's dQ kernel writes them instead. With
-    lse_grad and sinks_grad, as the dQ kernel."""
+    lse_grad and sinks_grad, and packed (varlen), as the dQ kernel."""
     q_tile = ct.bid(0)
     q_head = ct.bid(1)
     b = ct.bid(2)
-    # A row reduction, memory bound: one tile of Dv padded to a power of two.
+    seq = b  # the batch entry or, packed, the sequence: DSinks' row
+    if varlen:
+        q_rows = sequence_rows(CuSeqlensQ, seq, Out, max_seqlen_q)
+        if past_the_end(q_tile * block_m, q_rows):
+            return
+        Out, dOut, Lse = rows_of(Out, q_rows), rows_of(dOut, q_rows), rows_of(Lse, q_rows)
+        Delta, LseBase2 = rows_of(Delta, q_rows), rows_of(LseBase2, q_rows)
+        if lse_grad:
+            DLse = rows_of(DLse, q_rows)
+        b = 0
+    # A row reduction, memory bound: one tile of Dv padded to a power of two. Packed, each tile
+    # is loaded without a bulk copy, whose descriptor of the slice would cost a round trip.
     value_split = HeadSplit(block_dv, 0)
-    out = load_head(Out, b, q_head, q_tile, block_m, value_split)
-    d_out = load_head(dOut, b, q_head, q_tile, block_m, value_split)
+    out = load_head(Out, b, q_head, q_tile, block_m, value_split, not varlen)
+    d_out = load_head(dOut, b, q_head, q_tile, block_m, value_split, not varlen)
     stats = _row_stats(out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
-        _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile)
+        _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile)
 
 
 @ct.function
@@ -229,6 +240,18 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
 
 
 @ct.function
+def _add_pending_dq(DQSum, b, q_head, state, block_m: ConstInt, qk_split, varlen: ConstBool):
+    """Adds the share a program still holds after its last step (_holds_dq_share). A packed
+    sequence may have no query rows, and a slice of none must never be written: its bulk-copy
+    descriptor would be invalid (its program's loop ran no step, the share is zeros)."""
+    if varlen:
+        if DQSum.shape[2] > 0:
+            add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, qk_split)
+    else:
+        add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, qk_split)
+
+
+@ct.function
 def _dkdv_loop(first, last, state, tile, masked: ConstBool):
     """state plus the contributions of query tiles [first, last)."""
     for q_tile in range(first, last):
@@ -311,7 +334,8 @@ def attention_backward_dkdv_kernel(
     padded to block_n, D]) that the programs of a group add into: a group's heads run side
     by side instead of one after another in one program, which balances the GPU's load when
     few KV heads make few programs.
-    varlen: a packed batch (packed.py; never with sum_dq, whose padded sums are per batch entry).
+    varlen: a packed batch (packed.py); with sum_dq, DQSum is [1, Hq, total_q padded, D] and each
+    sequence adds into its own rows.
     The caller's functions (user.py) read Aux* and MaskAux*, and aux_grad adds into AuxGrad*
     (zeroed fp32 buffers; only this kernel calls it). block_sparse: the query tiles come from a
     block mask's lists (MaskCounts, MaskTiles: one row per key tile).
@@ -345,6 +369,9 @@ def attention_backward_dkdv_kernel(
             rows_of(Delta, q_rows),
         )
         K, V, dK, dV = rows_of(K, k_rows), rows_of(V, k_rows), rows_of(dK, k_rows), rows_of(dV, k_rows)
+        if sum_dq:
+            # Each sequence's dQ sum is its own rows: a tile past the end adds nothing there.
+            DQSum = rows_of(DQSum, q_rows)
         b = 0
     lengths = seqlens(Q, K)
     acc_dtype = accumulator_dtype(K.dtype)
@@ -395,7 +422,7 @@ def attention_backward_dkdv_kernel(
             state = over_segments(_dkdv_loop, query_segments(kv_tile, scoring), state, tile)
         d_key, d_value = state.d_key, state.d_value
         if holds_dq:
-            add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, tiling.qk)
+            _add_pending_dq(DQSum, b, q_head, state, block_m, tiling.qk, varlen)
         if sums_dk and bias_grad == BIAS_ONE_ROW:
             d_bias = state.d_bias_row.reshape((1, 1, 1, block_n)).astype(DBias.dtype)
             ct.store(DBias, index=(b, q_head, 0, kv_tile), tile=d_bias)
