@@ -349,10 +349,14 @@ def test_op_attention_programmable_bad_arguments():
         tile_fmha(q, k, v, block_mask=mask)
     with pytest.raises(ValueError, match="either block_mask or mask_mod"):
         tile_fmha(q, k, v, block_mask=mask, mask_mod=docs["mask_mod"])
-    with pytest.raises(ValueError, match="packed batch"):
-        cu = torch.tensor([0, 77], dtype=torch.int32, device="cuda")
-        tile_fmha_functional(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens_q=cu,
-                             cu_seqlens_k=cu, max_seqlen_q=77, max_seqlen_k=77, **capped)  # fmt: skip
+    # Packed batches take score functions (test_attention_varlen), not masks or aux gradients yet.
+    cu = torch.tensor([0, 77], dtype=torch.int32, device="cuda")
+    packed = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 77, "max_seqlen_k": 77}
+    rows = [t[0].transpose(0, 1) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="mask_mod, mask_aux: not supported with a packed batch"):
+        tile_fmha_functional(*rows, **packed, **docs)
+    with pytest.raises(ValueError, match="aux tensors that require grad"):
+        tile_fmha_functional(*rows, **packed, **relative)
 
 
 def test_op_attention_programmable_in_a_cuda_graph():

@@ -18,6 +18,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import cuda.tile as ct
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from tests.ops.conftest import requires_cuda
 from tests.ops.test_attention_varlen_cpu import BAD_LENGTH_ARGUMENTS, valid_arguments
 from tilegym import tile_fmha_functional, tile_fmha_varlen
 from tilegym.ops.attention import dispatch
+from tilegym.ops.attention import score_functions as sf
 from tilegym.ops.attention.reference import attention_reference, causal_mask
 
 pytestmark = requires_cuda
@@ -105,12 +107,14 @@ def _grads(outputs, upstream, inputs) -> tuple:
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found, strict=True))
 
 
-def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_dtype, d_lse=None):
+def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_dtype, d_lse=None, per_sequence=None):
     """(out [total_q, Hq, Dv], lse [Hq, total_q], grads) of attention_reference applied to each
     sequence alone, in compute_dtype; grads are dq, dk, dv, then dsinks when kwargs' sinks
     require grad. kwargs are tile_fmha_varlen's keyword arguments: an [N, Hq] alibi_slopes
     gives each sequence its row, sinks are shared by all (their gradient sums over sequences).
-    Rows after the last sequence get out 0 and LSE -inf, hence no gradient.
+    Rows after the last sequence get out 0 and LSE -inf, hence no gradient. per_sequence:
+    (sequence, query length, key length) -> more keyword arguments of attention_reference for that
+    sequence (the meaning of a score function, as a bias).
 
     The packed contract is "each sequence exactly as the dense call on its slice", so this is
     the reference by definition, and it is independent of how the kernels clamp and index."""
@@ -129,6 +133,8 @@ def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_d
         rows_q, rows_k = slice(starts_q[s], starts_q[s + 1]), slice(starts_k[s], starts_k[s + 1])
         if slopes is not None and slopes.dim() == 2:
             ref_kwargs["alibi_slopes"] = slopes[s]
+        if per_sequence is not None:
+            ref_kwargs |= per_sequence(s, rows_q.stop - rows_q.start, rows_k.stop - rows_k.start)
         out, lse = attention_reference(
             _dense(q[rows_q]), _dense(k[rows_k]), _dense(v[rows_k]), is_causal=causal, compute_dtype=compute_dtype,
             **ref_kwargs,
@@ -184,12 +190,12 @@ def _sdpa_run(batch: Packed, d_out, causal: bool, scaling):
     return out.detach(), _grads([out], [d_out], leaves)
 
 
-def yardstick(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None):
+def yardstick(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None, per_sequence=None):
     """(out, grads) whose errors against float64 bound ours: SDPA for plain calls, else the
     reference in the inputs' dtype."""
-    if set(kwargs) <= {"scaling"} and d_lse is None:
+    if set(kwargs) <= {"scaling"} and d_lse is None and per_sequence is None:
         return sdpa_baseline(batch, d_out, causal, kwargs.get("scaling"))
-    out, _, grads = varlen_reference(batch, d_out, causal, kwargs, batch.q.dtype, d_lse)
+    out, _, grads = varlen_reference(batch, d_out, causal, kwargs, batch.q.dtype, d_lse, per_sequence)
     return out, grads
 
 
@@ -206,25 +212,36 @@ def poison_cached_memory():
     del small, large
 
 
-def run_varlen(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None):
+def run_varlen(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None, functions=None):
     """(out, lse, grads) of tile_fmha_varlen as varlen_reference's, each allocated from poisoned
     memory. With d_lse, one call with return_lse=True and gradients through both outputs;
     without, the common call (return_lse=False) for out and gradients, and the LSE from a
-    second call without autograd."""
+    second call without autograd. functions: score function arguments (score_mod, ...), which
+    take tile_fmha_functional's packed form instead."""
     leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
     sinks = kwargs.get("sinks")
     inputs = leaves + ([sinks] if sinks is not None and sinks.requires_grad else [])
+
+    def attention(*tensors, **more):
+        if functions is None:
+            return tile_fmha_varlen(*tensors, *batch.lengths, is_causal=causal, **kwargs, **more)
+        cu_q, cu_k, max_q, max_k = batch.lengths
+        return tile_fmha_functional(
+            *tensors, is_causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            **kwargs, **functions, **more,
+        )  # fmt: skip
+
     poison_cached_memory()
     if d_lse is None:
-        out = tile_fmha_varlen(*leaves, *batch.lengths, is_causal=causal, **kwargs)
+        out = attention(*leaves)
         assert isinstance(out, torch.Tensor), "return_lse=False returns the output alone"
         poison_cached_memory()
         grads = torch.autograd.grad(out, inputs, d_out)
         poison_cached_memory()
         with torch.no_grad():
-            _, lse = tile_fmha_varlen(*leaves, *batch.lengths, is_causal=causal, return_lse=True, **kwargs)
+            _, lse = attention(*leaves, return_lse=True)
     else:
-        out, lse = tile_fmha_varlen(*leaves, *batch.lengths, is_causal=causal, return_lse=True, **kwargs)
+        out, lse = attention(*leaves, return_lse=True)
         poison_cached_memory()
         grads = torch.autograd.grad((out, lse), inputs, (d_out, d_lse))
     return out.detach(), lse.detach(), grads
@@ -255,18 +272,20 @@ def assert_rows_outside_sequences_are_empty(batch: Packed, out, lse, grads):
         assert torch.equal(grad[end_k:], torch.zeros_like(grad[end_k:])), f"{name} of rows outside every sequence"
 
 
-def check(batch: Packed, causal: bool, kwargs: dict | None = None, lse_grad: bool = False):
+def check(batch: Packed, causal: bool, kwargs: dict | None = None, lse_grad: bool = False, functions=None,
+          per_sequence=None):  # fmt: skip
     """tile_fmha_varlen's output, LSE and every gradient (dq, dk, dv, and dsinks when sinks
     require grad) against the per-sequence float64 reference, within the yardstick's error;
-    d_lse flows into the LSE when lse_grad."""
+    d_lse flows into the LSE when lse_grad. functions: score function arguments, whose meaning
+    the reference takes from per_sequence (see varlen_reference)."""
     kwargs = dict(kwargs or {})
     dtype = batch.q.dtype
     total_q, q_heads = batch.q.shape[:2]
     d_out = torch.randn(total_q, q_heads, batch.v.shape[2], dtype=dtype, device=DEVICE)
     d_lse = torch.randn(q_heads, total_q, dtype=batch.stat_dtype, device=DEVICE) if lse_grad else None
-    ref_out, ref_lse, ref_grads = varlen_reference(batch, d_out, causal, kwargs, torch.float64, d_lse)
-    base_out, base_grads = yardstick(batch, d_out, causal, kwargs, d_lse)
-    out, lse, grads = run_varlen(batch, d_out, causal, kwargs, d_lse)
+    ref_out, ref_lse, ref_grads = varlen_reference(batch, d_out, causal, kwargs, torch.float64, d_lse, per_sequence)
+    base_out, base_grads = yardstick(batch, d_out, causal, kwargs, d_lse, per_sequence)
+    out, lse, grads = run_varlen(batch, d_out, causal, kwargs, d_lse, functions)
 
     assert (out.shape, out.dtype) == ((total_q, q_heads, batch.v.shape[2]), dtype)
     assert (lse.shape, lse.dtype) == ((q_heads, total_q), batch.stat_dtype)
@@ -641,6 +660,66 @@ def test_op_varlen_cuda_graph_replays_new_lengths(causal, monkeypatch):
     batch.cu_seqlens_q.copy_(cu_seqlens(new_q))
     batch.cu_seqlens_k.copy_(cu_seqlens(new_k))
     _replay_and_check(graph, batch, static_inputs, outputs, causal)
+
+
+# ---- score functions ---------------------------------------------------------------------------
+
+# A score function sees each sequence alone: b is the sequence, q_idx and kv_idx count from its
+# first row. name: (our arguments, the built-in ones beside them, and what the function means per
+# sequence as reference arguments: varlen_reference's per_sequence).
+_REACH = 16
+
+
+def _relative(q_heads):
+    table = torch.randn(q_heads, 2 * _REACH + 1, device=DEVICE) * 0.5  # frozen: no aux gradient packed
+
+    def bias(sequence, seqlen_q, seqlen_k):
+        rows = torch.arange(seqlen_q, device=DEVICE)[:, None]
+        buckets = (torch.arange(seqlen_k, device=DEVICE)[None, :] - rows).clamp(-_REACH, _REACH) + _REACH
+        return {"attn_bias": table.double()[:, buckets][None]}
+
+    return sf.relative_position_bias(table, _REACH), {}, bias
+
+
+FUNCTIONS = {
+    "softcap": lambda h: (sf.softcap(4.0), {}, lambda s, lq, lk: {"softcap": 4.0}),
+    "relative-table": _relative,
+    "softcap-sinks-window": lambda h: (
+        sf.softcap(3.0),
+        {"sinks": _sinks(h), "window_size": (32, 0)},
+        lambda s, lq, lk: {"softcap": 3.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_op_varlen_score_functions(name, head_dim, causal):
+    functions, builtins, per_sequence = FUNCTIONS[name](4)
+    batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2, head_dim, spare_q=5, spare_k=3)
+    check(batch, causal, builtins, lse_grad=True, functions=functions, per_sequence=per_sequence)
+
+
+def test_op_varlen_score_function_sees_the_sequence():
+    """b is the sequence and positions count within it: a function of b and kv_idx alone, against
+    its meaning as a per-sequence bias."""
+
+    def by_sequence(score, b, h, q_idx, kv_idx, aux):
+        return score + ct.astype(b * 8 - kv_idx, score.dtype) * 0.0625
+
+    def by_sequence_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
+        return grad
+
+    lengths = [40, 0, 77, 1, 64]
+    batch = pack(lengths, None, 4, 2, 64)
+
+    def bias(sequence, seqlen_q, seqlen_k):
+        cols = torch.arange(seqlen_k, device=DEVICE, dtype=torch.float64)
+        return {"attn_bias": ((sequence * 8 - cols) * 0.0625).expand(seqlen_q, seqlen_k)}
+
+    functions = {"score_mod": by_sequence, "score_mod_grad": by_sequence_grad}
+    check(batch, True, functions=functions, per_sequence=bias)
 
 
 # ---- the fused backward ------------------------------------------------------------------------

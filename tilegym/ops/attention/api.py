@@ -314,15 +314,21 @@ def tile_fmha_functional(
         "mask_mod": mask_mod, "mask_aux": mask_aux, "block_mask": block_mask,
     }  # fmt: skip
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        given = [name for name, value in programs.items() if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)}: not supported with a packed batch (cu_seqlens_q) yet")
+        masks = [name for name in ("mask_mod", "mask_aux", "block_mask") if programs[name] is not None]
+        if masks:
+            raise ValueError(
+                f"{', '.join(masks)}: not supported with a packed batch (cu_seqlens_q) yet; a packed batch already "
+                "keeps its sequences apart, and score_mod sees positions within each sequence"
+            )
         if attn_bias is not None:
             raise ValueError(
                 "attn_bias is not supported with a packed batch (cu_seqlens_q); use window_size or alibi_slopes"
             )
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
+        functions = _Programs.of(*programs.values())
+        if functions is not None:
+            return _programmed_packed(q, k, v, scaling, is_causal, mods, packed, functions, return_lse, training)
         return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
@@ -381,8 +387,8 @@ class _Programs:
 
     def check(self, q, problem, mod_tensors, training: bool):
         """(problem, mod_tensors) with the caller's functions and tensors, checked."""
-        if problem.packing is not None:
-            raise ValueError("score_mod, mask_mod and block_mask are not supported with a packed batch yet")
+        if problem.packing is not None and training and any(t.requires_grad for t in self.aux_tensors()):
+            raise ValueError("aux tensors that require grad (aux_grad) are not supported with a packed batch yet")
         mask = check_block_mask(
             self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
             problem.seqlen_k,
@@ -444,6 +450,28 @@ class _Packed:
     cu_seqlens_k: Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+
+
+@torch.compiler.disable
+def _programmed_packed(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, programs, with_lse, training):
+    """_packed_attention with the caller's score function (see _programmed_forward): positions are
+    within each sequence and `b` is the sequence."""
+    if not isinstance(with_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
+    problem, mod_tensors, cu_seqlens = check_packed_inputs(
+        q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
+        is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
+    )  # fmt: skip
+    needs_grad = training and _needs_grad(q, k, v, mods.sinks, *programs.aux_tensors())
+    problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad)
+    if needs_grad:
+        sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
+        views = heads_major(q), heads_major(k), heads_major(v)
+        launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
+        out, lse = PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
+    else:
+        out, lse = launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
+    return (out, lse) if with_lse else out
 
 
 def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool):
