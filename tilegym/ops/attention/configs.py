@@ -69,7 +69,9 @@ _SM90_FORWARD = {
     # (perf-notes#short-forward-64x64-occ4).
     64: [_c(128, 128, occupancy=2, num_ctas=2), _c(64, 64, occupancy=4)],
     128: [_c(128, 128, occupancy=2, num_ctas=2)],
-    256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
+    # D=256 (and 192): 128x128 at two warpgroups won every cell, 3-13% over 128x64
+    # (perf-notes#d256-forward-tiles); 64x64 and 64x32 won none.
+    256: [_c(128, 128, num_worker_warps=8), _c(128, 64, num_worker_warps=8)],
 }
 _SM90_DKDV = {
     32: [_c(64, 128, num_worker_warps=8), _c(64, 64), _c(128, 128, num_worker_warps=8)],
@@ -124,6 +126,8 @@ _SM90_DQ_MODIFIED = _SM90_DQ | {64: [_c(128, 64, num_worker_warps=8), _c(64, 64)
 _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
     64: [_c(128, 128, num_worker_warps=8), _c(128, 64)],
     128: [_c(128, 128, num_worker_warps=8)],
+    # D=256 with modifiers keeps the configs measured before the plain table's 128x128.
+    256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
 }
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
