@@ -304,7 +304,8 @@ def tile_fmha_functional(
 
     With cu_seqlens_q and cu_seqlens_k (and max_seqlen_q, max_seqlen_k), q, k and v are a packed
     batch, as tile_fmha_varlen takes it (no attn_bias); training=False then returns the same
-    values without a gradient."""
+    values without a gradient. A packed batch takes score_mod (b is the sequence, q_idx and kv_idx
+    count within it) with aux tensors that need no gradient; not mask_mod or block_mask yet."""
     if training is None:
         training = _needs_grad(q, k, v, attn_bias, sinks, *_Programs.aux_tensors_of(aux))
     elif not isinstance(training, bool):
@@ -326,7 +327,7 @@ def tile_fmha_functional(
             )
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-        functions = _Programs.of(*programs.values())
+        functions = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, None, None, None)
         if functions is not None:
             return _programmed_packed(q, k, v, scaling, is_causal, mods, packed, functions, return_lse, training)
         return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training)
