@@ -328,9 +328,7 @@ def tile_fmha_functional(
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
         functions = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, None, None, None)
-        if functions is not None:
-            return _programmed_packed(q, k, v, scaling, is_causal, mods, packed, functions, return_lse, training)
-        return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training)
+        return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training, functions)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
             raise ValueError(f"{name} is given without cu_seqlens_q and cu_seqlens_k: a packed batch needs all four")
@@ -453,52 +451,46 @@ class _Packed:
     max_seqlen_k: int
 
 
-@torch.compiler.disable
-def _programmed_packed(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, programs, with_lse, training):
-    """_packed_attention with the caller's score function (see _programmed_forward): positions are
-    within each sequence and `b` is the sequence."""
-    if not isinstance(with_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
-    problem, mod_tensors, cu_seqlens = check_packed_inputs(
-        q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
-        is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
-    )  # fmt: skip
-    needs_grad = training and _needs_grad(q, k, v, mods.sinks, *programs.aux_tensors())
-    problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad)
-    if needs_grad:
-        sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
-        views = heads_major(q), heads_major(k), heads_major(v)
-        launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
-        out, lse = PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
-    else:
-        out, lse = launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
-    return (out, lse) if with_lse else out
-
-
-def _packed_attention(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool):
+def _packed_attention(
+    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool, programs=None
+):
     """out [total_q, Hq, Dv], or with_lse (out, lse [Hq, total_q]), of a packed batch: through
-    autograd when differentiable and a gradient is wanted, else the forward alone."""
+    autograd when differentiable and a gradient is wanted, else the forward alone. programs: the
+    caller's score function (_Programs), which positions within each sequence, `b` the sequence."""
     if not isinstance(with_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
-    if torch.compiler.is_compiling():
+    if programs is not None:
+        out, lse = _programmed_packed(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs)
+    elif torch.compiler.is_compiling():
         out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, differentiable)
     else:
         out, lse = _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable)
     return (out, lse) if with_lse else out
 
 
-def _packed_eager(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool):
+def _packed_eager(
+    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool, programs=None
+):
     """(out, lse or None) of a packed batch outside torch.compile."""
     problem, mod_tensors, cu_seqlens = check_packed_inputs(
         q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
         is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
     )  # fmt: skip
-    if differentiable and _needs_grad(q, k, v, mods.sinks):
+    aux = () if programs is None else programs.aux_tensors()
+    needs_grad = differentiable and _needs_grad(q, k, v, mods.sinks, *aux)
+    if programs is not None:
+        problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad)
+    if needs_grad:
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
         views = heads_major(q), heads_major(k), heads_major(v)
         launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
         return PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
     return launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
+
+
+# The caller's functions cannot pass through an operator's schema: torch.compile runs the call
+# eagerly, at a graph break (see _programmed_forward).
+_programmed_packed = torch.compiler.disable(_packed_eager)
 
 
 def _packed_custom_op(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, differentiable: bool):

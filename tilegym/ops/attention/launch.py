@@ -558,7 +558,7 @@ def _backward_steps(
     }
     # The fused backward sums dQ in fp32, over rows padded to whole tiles of every candidate;
     # the grouped one also dK and dV, so that a group's heads run in separate programs.
-    targets = _fused_targets(problem, launcher, fused, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
+    targets = _fused_targets(launcher, fused, dq, dk, dv) if fused else GradientTargets(dq, dk, dv, False)
     shared = {
         "Q": q,
         "K": k,
@@ -623,24 +623,21 @@ class GradientTargets:
             gradient.copy_(total[:, :, : gradient.shape[2], : gradient.shape[3]])
 
 
-def _fused_targets(problem: AttentionProblem, launcher: _Launcher, name: str, dk, dv) -> GradientTargets:
+def _fused_targets(launcher: _Launcher, name: str, dq, dk, dv) -> GradientTargets:
+    """Sums shaped as the gradients ([B, H, S, D]; packed [1, H, total, D], each sequence adding
+    into its own rows), rows padded to whole tiles of every candidate, D to its tile."""
     candidates = launcher.candidates(name)
-    # Packed, one sum of every sequence's rows, each sequence adding into its own.
-    batch = 1 if problem.packing else problem.batch
-    rows_q = problem.packing.total_q if problem.packing else problem.seqlen_q
-    rows_k = problem.packing.total_k if problem.packing else problem.seqlen_k
 
-    def padded_sum(heads, seqlen, block, head_dim):
+    def padded_sum(gradient, block):
         rows = max(getattr(config, block) for config in candidates)
-        shape = (batch, heads, math.ceil(seqlen / rows) * rows, configs.head_dim_tile(head_dim))
-        return torch.empty(shape, dtype=torch.float32, device=dk.device)
+        batch, heads, length, head_dim = gradient.shape
+        shape = (batch, heads, math.ceil(length / rows) * rows, configs.head_dim_tile(head_dim))
+        return torch.empty(shape, dtype=torch.float32, device=gradient.device)
 
-    dq_sum = padded_sum(problem.q_heads, rows_q, "block_m", problem.head_dim)
+    dq_sum = padded_sum(dq, "block_m")
     if name != BACKWARD_FUSED_GROUPED:
         return GradientTargets(dq_sum, dk, dv, grouped=False)
-    dk_sum = padded_sum(problem.kv_heads, rows_k, "block_n", problem.head_dim)
-    dv_sum = padded_sum(problem.kv_heads, rows_k, "block_n", problem.value_dim)
-    return GradientTargets(dq_sum, dk_sum, dv_sum, grouped=True)
+    return GradientTargets(dq_sum, padded_sum(dk, "block_n"), padded_sum(dv, "block_n"), grouped=True)
 
 
 def _caller_bias_grad(d_bias, mods: ScoreMods, mod_tensors: ModTensors):

@@ -243,7 +243,8 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
 def _add_pending_dq(DQSum, b, q_head, state, block_m: ConstInt, qk_split, varlen: ConstBool):
     """Adds the share a program still holds after its last step (_holds_dq_share). A packed
     sequence may have no query rows, and a slice of none must never be written: its bulk-copy
-    descriptor would be invalid (its program's loop ran no step, the share is zeros)."""
+    descriptor would be invalid (its program's loop ran no step, the share is zeros). The check
+    is compiled only packed: dense programs keep their code (stored SASS fingerprints)."""
     if varlen:
         if DQSum.shape[2] > 0:
             add_head(DQSum, b, q_head, state.pending_tile, state.pending_dq, block_m, qk_split)
