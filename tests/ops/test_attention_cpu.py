@@ -932,6 +932,36 @@ def test_op_packed_api_returns_and_differentiates(monkeypatch, return_lse, train
     assert launched == [forward] + ([configs.BACKWARD_DQ, configs.BACKWARD_DKDV] if training else [])
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_op_packed_api_takes_score_functions(monkeypatch, training):
+    """A packed tile_fmha_functional call with a score function takes the same path as without
+    one, its launches running the kernels' copies with the function inlined (their keys carry its
+    fingerprint) and the two-kernel backward; a learnable aux tensor is refused."""
+    from tilegym.ops.attention import api
+    from tilegym.ops.attention import score_functions as sf
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    monkeypatch.setattr(api, "check_packed_inputs", _checked_on_the_cpu)
+    monkeypatch.setattr(launch, "compile_backward_ahead", lambda *args, **kwargs: None)
+    _RecordingLauncher.launches = []
+    q, k, v = (torch.randn(12, heads, 64, dtype=torch.bfloat16, requires_grad=True) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    packed = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 7, "max_seqlen_k": 7}
+    out = tile_fmha_functional(q, k, v, None, True, training, **packed, **sf.softcap(4.0))
+    assert out.shape == (12, 4, 64) and (out.grad_fn is not None) == training
+    if training:
+        out.float().sum().backward()
+        assert [tuple(t.grad.shape) for t in (q, k, v)] == [(12, 4, 64), (12, 2, 64), (12, 2, 64)]
+    launched = [name for name, *_ in _RecordingLauncher.launches]
+    forward = configs.FORWARD_LSE if training else configs.FORWARD
+    assert launched == [forward] + ([configs.BACKWARD_DQ, configs.BACKWARD_DKDV] if training else [])
+    for name, kernel, *_ in _RecordingLauncher.launches:
+        assert kernel is not VARIANTS[name].kernel, f"{name}: the plain kernel, not a copy with the function"
+    table = torch.randn(4, 9, requires_grad=True)
+    with pytest.raises(ValueError, match="aux tensors that require grad"):
+        tile_fmha_functional(q, k, v, None, True, True, **packed, **sf.relative_position_bias(table, 4))
+
+
 def _checked_on_the_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal, *mods):
     """packing.check_packed_inputs of CPU tensors: the problem a CUDA call would get."""
     from tilegym.ops.attention.packing import CuSeqlens
