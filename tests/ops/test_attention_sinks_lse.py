@@ -71,6 +71,8 @@ SINK_CASES = {
     "gpt-oss-window": (GPT_OSS, True, lambda c: {"window_size": (128, 0)}),
     "window-softcap-alibi": (GQA, False, lambda c: {"window_size": (40, 9), "softcap": 4.0,
                                                     "alibi_slopes": torch.rand(c.q_heads, device="cuda") * 0.1}),
+    # ALiBi alone: the forward keeps raw products, the sink joins in base-2 units.
+    "alibi-causal": (SQ_GT_SK, True, lambda c: {"alibi_slopes": torch.rand(c.q_heads, device="cuda") * 0.3}),
 }  # fmt: skip
 
 

@@ -113,7 +113,8 @@ def check_variant(case: Case, dtype, causal: bool, kwargs: dict):
     base_dtype = torch.float64 if dtype == torch.float64 else dtype
     base_out, _, base_grads = reference_run(q, k, v, d_out, causal, kwargs, base_dtype)
 
-    problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
+    mod_kwargs = {name: value for name, value in kwargs.items() if name != "scaling"}
+    problem, mod_tensors = problem_mod.check_inputs(q, k, v, kwargs.get("scaling"), causal, **mod_kwargs)
     out = torch.full_like(q, math.nan)
     lse = torch.full(
         q.shape[:3], math.nan, device=q.device, dtype=ref_lse.dtype if dtype == torch.float64 else torch.float32
@@ -175,11 +176,22 @@ def test_op_attention_variant_wide_dtypes(name, dtype):
     check_variant(case, dtype, causal, build(case, dtype))
 
 
+# "alibi": ALiBi alone, whose forward keeps raw products (ALiBi in their units) as plain
+# attention's does; "all": every modifier, in scaled units.
+@pytest.mark.parametrize("name", ["all", "alibi"])
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 192, 256])
-def test_op_attention_variant_head_dims(head_dim):
+def test_op_attention_variant_head_dims(head_dim, name):
     case = Case(f"d{head_dim}", 1, 4, 2, 150, 170, head_dim)
-    _, causal, build = VARIANTS["all"]
+    _, causal, build = VARIANTS[name]
     check_variant(case, torch.bfloat16, causal, build(case, torch.bfloat16))
+
+
+# The forward with ALiBi alone scales inside exp2, which needs a positive scale: a negative or
+# zero one takes the sign-flipped or zeroed copy of q, as plain attention does.
+@pytest.mark.parametrize("scaling", [0.7, -0.3, 0.0], ids=lambda s: f"scale{s}")
+def test_op_attention_alibi_scaling(scaling):
+    case, causal, build = VARIANTS["alibi-per-batch"]
+    check_variant(case, torch.bfloat16, causal, {**build(case, torch.bfloat16), "scaling": scaling})
 
 
 def test_op_attention_variant_public_api():

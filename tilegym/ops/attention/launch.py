@@ -252,7 +252,7 @@ def _positive_scale(q: torch.Tensor, problem: AttentionProblem) -> tuple[torch.T
     inside exp2, kernels/modifiers.py keeps_raw_scores): s * q.k = -s * (-q).k, and 0 * q.k =
     1 * (0 q).k. Both are exact; only a non-positive scale pays for a copy of q."""
     scale = problem.softmax_scale
-    if scale > 0 or problem.mods.changes_scores:
+    if scale > 0 or not problem.mods.keeps_raw_scores:
         return q, scale
     if scale < 0:
         return -q, -scale

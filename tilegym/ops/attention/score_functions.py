@@ -46,8 +46,11 @@ def softcap(cap: float, approximate: bool = True) -> dict:
 
 
 def _alibi_score(score, b, h, q_idx, kv_idx, aux):
+    # Positions become floats before they broadcast: a conversion per row and per column, not
+    # per score (one costs as much as an exp2). Exact below 2^24 tokens.
     slope = ct.gather(aux[0], h)
-    return score - slope * ct.astype(ct.abs(q_idx + ct.gather(aux[1], 0) - kv_idx), score.dtype)
+    query_positions = ct.astype(q_idx + ct.gather(aux[1], 0), score.dtype)
+    return score - slope * ct.abs(query_positions - ct.astype(kv_idx, score.dtype))
 
 
 def alibi(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> dict:

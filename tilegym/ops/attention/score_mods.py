@@ -68,10 +68,11 @@ class ScoreMods:
         return not self.switches
 
     @property
-    def changes_scores(self) -> bool:
-        """Some modifier changes score values (a window only hides some of them)."""
+    def keeps_raw_scores(self) -> bool:
+        """The forward keeps raw products q.k (ALiBi in their units) and scales inside exp2, which
+        needs a positive scale: plain attention, a window, ALiBi (kernels/modifiers.py)."""
         scored = self.user is not None and self.user.score_mod is not None
-        return self.bias_mode != BIAS_NONE or bool(self.softcap) or self.alibi or scored
+        return self.bias_mode == BIAS_NONE and not self.softcap and not scored
 
     def key(self) -> str:
         """Suffix of the tuning key: empty for plain attention."""

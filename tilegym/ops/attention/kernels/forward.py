@@ -17,7 +17,7 @@ from tilegym.ops.attention.kernels.head import (
     load_head,
     store_head,
 )
-from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, scores, softcap_values
+from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, raw_scores, scores, softcap_values
 from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
@@ -59,7 +59,7 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
     raw_units = keeps_raw_scores(scoring.switches)
     if raw_units:
-        step_scores = raw
+        step_scores = raw_scores(raw, tile.q_tile, kv_tile, scoring)
     else:
         step_scores, _, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
     if masked:

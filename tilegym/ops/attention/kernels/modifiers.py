@@ -34,13 +34,24 @@ def softcap_values(softcap_in, softcap_in_lo, softcap, softcap_lo, acc_dtype):
 
 @ct.function
 def keeps_raw_scores(switches):
-    """Whether the forward keeps raw products q.k and their running max, scaling inside exp2.
+    """Whether the forward keeps raw products q.k (ALiBi in their units) and their running max,
+    scaling inside exp2.
 
-    True for plain attention (masks aside), whose launcher makes the scale positive, so the
-    largest product is the largest score.
+    True for plain attention and ALiBi alone (masks aside), whose launcher makes the scale
+    positive, so the largest product is the largest score (score_mods.ScoreMods.keeps_raw_scores).
     """
-    plain = not switches.capped and switches.bias_mode == BIAS_NONE and not switches.alibi
+    plain = not switches.capped and switches.bias_mode == BIAS_NONE
     return plain and switches.user.score_mod is None
+
+
+@ct.function
+def raw_scores(raw, q_tile, kv_tile, scoring):
+    """Raw products q.k, minus ALiBi's slope / scale * distance where it is on: scores in raw
+    units for a forward that keeps them (keeps_raw_scores), which saves a multiply per score."""
+    if scoring.switches.alibi:
+        raw_slope = scoring.mods.slope_log2 / scoring.qk_scale_log2
+        return (-raw_slope) * _alibi_distances(q_tile, kv_tile, scoring, False, raw.dtype) + raw
+    return raw
 
 
 @ct.function
@@ -58,6 +69,29 @@ def _bias_tile(mods, q_tile, kv_tile, block_m: ConstInt, block_n: ConstInt, bias
     if transposed:
         tile = ct.transpose(tile)
     return tile
+
+
+@ct.function
+def _positions(first, size: ConstInt, column: ConstBool, dtype):
+    """first, first + 1, ... first + size - 1 as floats, a [size, 1] tile ([1, size] if not
+    column): one conversion per tile and a constant tile."""
+    offsets = ct.arange(size, dtype=dtype)
+    if column:
+        offsets = offsets[:, None]
+    else:
+        offsets = offsets[None, :]
+    return ct.astype(first, dtype) + offsets
+
+
+@ct.function
+def _alibi_distances(q_tile, kv_tile, scoring, transposed: ConstBool, dtype):
+    """|i + Sk - Sq - j| under a score tile, as floats. Positions convert per row and per column,
+    not per score (a conversion costs as much as an exp2); differences are exact below 2^24."""
+    tiling, lengths = scoring.tiling, scoring.seqlens
+    query_positions = _positions(
+        q_tile * tiling.block_m + (lengths.k - lengths.q), tiling.block_m, not transposed, dtype
+    )
+    return ct.abs(query_positions - _positions(kv_tile * tiling.block_n, tiling.block_n, transposed, dtype))
 
 
 @ct.function
@@ -86,8 +120,7 @@ def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: C
         bias = _bias_tile(mods, q_tile, kv_tile, tiling.block_m, tiling.block_n, switches.bias_mode, transposed)
         result = result + bias.astype(raw.dtype) * log2e(raw.dtype)
     if switches.alibi:
-        distance = ct.abs(rows + (scoring.seqlens.k - scoring.seqlens.q) - cols).astype(raw.dtype)
-        result = result - mods.slope_log2 * distance
+        result = (-mods.slope_log2) * _alibi_distances(q_tile, kv_tile, scoring, transposed, raw.dtype) + result
     builtin = switches.capped or switches.bias_mode != BIAS_NONE or switches.alibi
     result, natural = user_scored(result, raw, scoring, rows, cols, builtin)
     return result, capped_tanh, natural
