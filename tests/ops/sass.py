@@ -41,7 +41,7 @@ from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSign
 
 from tilegym import autotune, index_width
 from tilegym.ops.attention import configs, launch
-from tilegym.ops.attention.variants import SCORE_SWITCHES, VARIANTS
+from tilegym.ops.attention.variants import ANY_SCORES, VARIANTS
 
 # ---------------------------------------------------------------------------------------------
 # Compile
@@ -380,7 +380,9 @@ def _list() -> None:
     for name, variant in VARIANTS.items():
         fixed = " ".join(f"{key}={value}" for key, value in variant.fixed.items()) or "-"
         form = (
-            "modifiable" if variant.modifiers == SCORE_SWITCHES else "+".join(sorted(variant.modifiers)) or "plain only"
+            "modifiable"
+            if variant.modifiers == ANY_SCORES
+            else " or ".join("+".join(sorted(allowed)) for allowed in variant.modifiers if allowed) or "plain only"
         )
         print(f"{name:{width}}  {form:10}  {'default' if variant.default else 'sm_90 only':10}  fixed: {fixed}")
         print(f"{'':{width}}  {variant.about}")

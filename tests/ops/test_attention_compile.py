@@ -25,9 +25,11 @@ import pytest
 from tests.ops import sass
 from tilegym.ops.attention import configs, dispatch
 from tilegym.ops.attention.variants import (
+    ANY_SCORES,
     BACKWARD_DK,
     BACKWARD_DV,
     BACKWARD_PREPROCESS,
+    PLAIN_SCORES,
     SCORE_SWITCHES,
     VARIANTS,
 )
@@ -140,18 +142,23 @@ _ROW_SWITCHES = {
     "sinks-grad": {"sinks_grad": True, "lse_grad": True},
     "sinks-grad-window": {"sinks_grad": True, "lse_grad": True, "windowed": True},
 }
-MODIFIABLE = tuple(name for name, variant in VARIANTS.items() if variant.modifiers == SCORE_SWITCHES)
+MODIFIABLE = tuple(name for name, variant in VARIANTS.items() if variant.modifiers == ANY_SCORES)
 # Variants that take some score switches (the fused backward: a window alone).
-TAKES_SCORE_SWITCHES = tuple(name for name, variant in VARIANTS.items() if variant.modifiers)
+TAKES_SCORE_SWITCHES = tuple(name for name, variant in VARIANTS.items() if variant.modifiers != PLAIN_SCORES)
 
 
 def _takes(name: str, switches: dict) -> bool:
     """Whether a variant takes these switches: score switches only those it was built for
     (Variant.modifiers), the others where its kernel has the parameter."""
     score_switches = {switch for switch in switches if switch in SCORE_SWITCHES}
-    if not score_switches <= VARIANTS[name].modifiers:
+    if not VARIANTS[name].takes_switches(frozenset(score_switches)):
         return False
     return all(switch in SCORE_SWITCHES or sass.takes(name, switch) for switch in switches)
+
+
+def _score_tables(switches: dict) -> configs.ScoreTables:
+    """The config tables a call with these switches runs (configs.score_tables)."""
+    return configs.score_tables(frozenset(name for name, on in switches.items() if on and name in SCORE_SWITCHES))
 
 
 def _compile_modified():
@@ -175,16 +182,21 @@ MODIFIED_MATRIX = list(_compile_modified())
 @slow
 @pytest.mark.parametrize("kernel, dtype, head_dim, switches", MODIFIED_MATRIX)
 def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches, tmp_path):
-    """Each modifier compiles for sm_90 with every candidate config, keeping the warpgroup MMA
-    and spilling nothing."""
+    """Each modifier compiles for sm_90 with every candidate config of the tables it picks,
+    keeping the warpgroup MMA and spilling nothing; ALiBi alone, whose tables are its own, causal
+    and not (their register use differs)."""
     size = 8 if dtype == ct.float64 else 2
-    chosen = configs.candidates(kernel, "sm_90", head_dim, size, modified=True)
+    tables = _score_tables(switches)
+    chosen = configs.candidates(kernel, "sm_90", head_dim, size, tables)
     assert chosen, f"{kernel} takes score modifiers but has no sm_90 config for them at D={head_dim}"
+    causal_forms = (False, True) if tables == configs.ScoreTables.ALIBI else (False,)
     for config in chosen:
-        cubin = sass.compile_cubin(kernel, dtype, head_dim, config, False, "sm_90", tmp_path / "k.cubin", switches)
-        assert cubin.stat().st_size > 0
-        if dtype != ct.float64:
-            _check_sass(kernel, sass.disassemble(cubin))
+        for causal in causal_forms:
+            path = tmp_path / "k.cubin"
+            cubin = sass.compile_cubin(kernel, dtype, head_dim, config, causal, "sm_90", path, switches)
+            assert cubin.stat().st_size > 0
+            if dtype != ct.float64:
+                _check_sass(kernel, sass.disassemble(cubin))
 
 
 # V's head dim narrower and wider than Q's (tables by the wider: configs.candidates); 192 runs
@@ -245,6 +257,7 @@ PACKED_MATRIX = [
     for causal in _causal_forms(name)
     for head_dim, label, switches in [(d, "plain", {}) for d in (64, 128, 192, 256)]
     + [(d, "modifiers", _PACKED_MODIFIERS) for d in TUNED_HEAD_DIMS if _takes(name, _PACKED_MODIFIERS)]
+    + [(d, "alibi", {"alibi": True}) for d in TUNED_HEAD_DIMS if _takes(name, {"alibi": True})]
     if configs.candidates(name, "sm_90", head_dim, 2)
     and _runs_at(name, head_dim, head_dim)
     # "auto" runs the fused backward packed at D=128 only; forced at D=64, its causal 128x128
@@ -257,7 +270,7 @@ PACKED_MATRIX = [
 @pytest.mark.parametrize("kernel, head_dim, causal, switches", PACKED_MATRIX)
 def test_op_attention_packed_batches_compile(kernel, head_dim, causal, switches, tmp_path):
     """Each variant a packed batch runs compiles with varlen for sm_90 at its first config."""
-    config = configs.candidates(kernel, "sm_90", head_dim, 2, modified=bool(switches))[0]
+    config = configs.candidates(kernel, "sm_90", head_dim, 2, _score_tables(switches))[0]
     path = tmp_path / "k.cubin"
     text = sass.disassemble(
         sass.compile_cubin(kernel, ct.bfloat16, head_dim, config, causal, "sm_90", path, {"varlen": True, **switches})

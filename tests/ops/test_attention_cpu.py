@@ -66,9 +66,18 @@ def test_op_modified_configs_run_on_single_ctas():
     for arch in configs.ARCHS:
         for kernel in configs.KERNELS:
             for head_dim in configs.HEAD_DIMS:
-                table = configs.candidates(kernel, arch, head_dim, 2, modified=True)
+                table = configs.candidates(kernel, arch, head_dim, 2, configs.ScoreTables.MODIFIED)
                 assert table, f"no config for {kernel} on {arch} at d={head_dim} with modifiers"
                 assert all((config.num_ctas or 1) == 1 for config in table)
+                assert configs.candidates(kernel, arch, head_dim, 2, configs.ScoreTables.ALIBI), (kernel, arch)
+
+
+def test_op_score_tables_follow_the_switches():
+    """ALiBi alone picks its own tables; with anything else the modified ones."""
+    assert configs.score_tables(frozenset()) == configs.ScoreTables.PLAIN
+    assert configs.score_tables(frozenset({"alibi"})) == configs.ScoreTables.ALIBI
+    for other in ({"alibi", "windowed"}, {"capped"}, {"windowed"}, {"functions"}):
+        assert configs.score_tables(frozenset(other)) == configs.ScoreTables.MODIFIED
 
 
 @pytest.mark.parametrize("head_dim, tile", [(32, 32), (64, 64), (80, 128), (96, 128), (128, 128), (256, 256)], ids=str)
@@ -536,8 +545,10 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
         (ScoreMods(window=(64, 0)), 64, False),  # lost at D=64 (FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
         (ScoreMods(softcap=2.0), 128, False),  # spilled on the fused tables
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
+        (ScoreMods(alibi=True), 64, True),  # on tables of its own (configs.ALIBI_TABLES)
+        (ScoreMods(alibi=True), 128, False),  # no faster there (FUSED_ALIBI_HEAD_DIM_TILES)
     ],
-    ids=["window", "window-sinks-d96", "window-d64", "softcap", "window-softcap"],
+    ids=["window", "window-sinks-d96", "window-d64", "softcap", "window-softcap", "alibi", "alibi-d128"],
 )
 def test_op_fused_backward_takes_only_the_switches_it_compiles_with(monkeypatch, mods, head_dim, fused):
     monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
@@ -552,7 +563,21 @@ def test_op_fused_backward_takes_only_the_switches_it_compiles_with(monkeypatch,
 
     _, kernel, _, args, _ = launches[1]
     values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
-    assert values["windowed"] is True and (values["window_left"], values["window_right"]) == (64, 0)
+    assert values["alibi"] is mods.alibi
+    if mods.window is not None:
+        assert values["windowed"] is True and (values["window_left"], values["window_right"]) == (64, 0)
+
+
+@pytest.mark.parametrize(
+    "mods, fused",
+    [(ScoreMods(alibi=True), True), (ScoreMods(window=(64, 0)), True), (ScoreMods(window=(64, 0), alibi=True), False)],
+    ids=["alibi", "window", "window-alibi"],
+)
+def test_op_forced_fused_backward_takes_a_window_or_alibi_not_both(monkeypatch, mods, fused):
+    """variants.WINDOW_OR_ALIBI: together they spilled on the fused tables."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    names, _, _ = _recorded_backward(monkeypatch, MIN_FUSED, 128, q_heads=2, batch=1, causal=False, mods=mods)
+    assert (configs.BACKWARD_FUSED in names) == fused
 
 
 def test_op_backward_choice_rejects_unknown_values(monkeypatch):

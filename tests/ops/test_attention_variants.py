@@ -82,6 +82,7 @@ VARIANTS = {
     "softcap-causal": (GQA_4TO1, True, lambda c, dt: {"softcap": 5.0}),
     "alibi": (MQA, True, lambda c, dt: {"alibi_slopes": _alibi(c, False)}),
     "alibi-per-batch": (SQ_GT_SK, False, lambda c, dt: {"alibi_slopes": _alibi(c, True)}),
+    "alibi-causal": (SQ_GT_SK, True, lambda c, dt: {"alibi_slopes": _alibi(c, True)}),
     "all": (
         GQA_4TO1,
         True,
@@ -147,15 +148,15 @@ def test_op_attention_variant(name):
     check_variant(case, torch.bfloat16, causal, build(case, torch.bfloat16))
 
 
-# The fused backward takes a sliding window alone (variants.WINDOW_ONLY): each window case with it
-# forced, at head dims of both fused tables (96 runs as 64 + 32 on the 128 table); the causal
-# cases with query groups take its grouped form.
-WINDOW_CASES = [name for name in VARIANTS if name.startswith("window")]
+# The fused backward takes a sliding window or ALiBi alone (variants.WINDOW_OR_ALIBI): each such
+# case with it forced, at head dims of both fused tables (96 runs as 64 + 32 on the 128 table);
+# the causal cases with query groups take its grouped form.
+FUSED_CASES = [name for name in VARIANTS if name.startswith("window") or name.startswith("alibi")]
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-@pytest.mark.parametrize("name", WINDOW_CASES)
-def test_op_attention_window_fused_backward(name, head_dim, monkeypatch):
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_op_attention_fused_backward(name, head_dim, monkeypatch):
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
     case, causal, build = VARIANTS[name]
     case = dataclasses.replace(case, why=f"{case.why}-d{head_dim}", head_dim=head_dim)

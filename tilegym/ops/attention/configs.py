@@ -9,6 +9,7 @@ Configs for 4- and 8-byte element types (fp32, fp64) are separate and small: the
 take two to four times the registers and shared memory of fp16/bf16 tiles.
 """
 
+from enum import Enum
 from functools import cache
 
 from tilegym.autotune import TileConfig
@@ -129,6 +130,20 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
     # D=256 with modifiers keeps the configs measured before the plain table's 128x128.
     256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
 }
+# ALiBi alone: its forward keeps raw products as plain attention's does and adds two
+# instructions per score (perf-notes#alibi-positions). At D=128 it also tries plain attention's
+# CTA clusters (faster at causal 4096, 1-3% slower at 16384 and without a mask; they compile
+# without spilling with ALiBi); at D=64 the tuner chose one CTA over them, and at four CTAs per
+# SM the causal forward spills. Its fused backward spills on plain attention's 64x128 tiles at
+# D=128 (causal) and on 64x64 at two CTAs per SM without a mask; 64x64 at one CTA does not
+# (perf-notes#alibi-tables).
+_SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED | {
+    128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
+}
+_SM90_FUSED_ALIBI = {
+    64: [_c(64, 128, num_worker_warps=8)],
+    128: [_c(64, 64, num_worker_warps=8), _c(64, 64)],
+}
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
@@ -239,6 +254,21 @@ WIDE_TABLE = {
 }
 
 
+class ScoreTables(Enum):
+    """Which tables a call's score switches pick (score_tables)."""
+
+    PLAIN = "plain"  # TABLES
+    ALIBI = "alibi"  # ALIBI_TABLES where they name the kernel, else as MODIFIED
+    MODIFIED = "modified"  # MODIFIED_TABLES where they name the kernel, else TABLES; single CTAs
+
+
+def score_tables(switches: frozenset) -> ScoreTables:
+    """The tables for a call's score switches (score_mods.ScoreMods.switches)."""
+    if not switches:
+        return ScoreTables.PLAIN
+    return ScoreTables.ALIBI if switches == {"alibi"} else ScoreTables.MODIFIED
+
+
 # Tables that replace TABLES[arch][kernel] when any score modifier is on.
 MODIFIED_TABLES = {
     ("sm_90", FORWARD): _SM90_FORWARD_MODIFIED,
@@ -246,33 +276,42 @@ MODIFIED_TABLES = {
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED,
     ("sm_90", BACKWARD_DQ): _SM90_DQ_MODIFIED,
 }
+# Tables that replace those for calls with ALiBi alone.
+ALIBI_TABLES = {
+    ("sm_90", FORWARD): _SM90_FORWARD_ALIBI,
+    ("sm_90", FORWARD_LSE): _SM90_FORWARD_ALIBI,
+    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
+}
 
 
 @cache
 def candidates(
-    kernel: str, arch: str, head_dim: int, element_size: int, modified: bool = False
+    kernel: str, arch: str, head_dim: int, element_size: int, scores: ScoreTables = ScoreTables.PLAIN
 ) -> tuple[TileConfig, ...]:
-    """The configs to try for one kernel, first one the default; modified: with score modifiers.
+    """The configs to try for one kernel, first one the default; scores: the tables the call's
+    score switches pick (score_tables).
 
-    With score modifiers no config runs on CTA clusters: the two-CTA forward faulted on a
-    misaligned address with a one-row bias on Hopper (perf-notes#forward-cta-clusters). Cached: every
-    launch asks.
+    With score modifiers other than ALiBi alone no config runs on CTA clusters: the two-CTA
+    forward faulted on a misaligned address with a one-row bias on Hopper
+    (perf-notes#forward-cta-clusters). Cached: every launch asks.
     """
     if element_size > 2:
         table = WIDE_TABLE[kernel]
-    elif modified and (arch, kernel) in MODIFIED_TABLES:
+    elif scores == ScoreTables.ALIBI and (arch, kernel) in ALIBI_TABLES:
+        table = ALIBI_TABLES[arch, kernel]
+    elif scores != ScoreTables.PLAIN and (arch, kernel) in MODIFIED_TABLES:
         table = MODIFIED_TABLES[arch, kernel]
     else:
         table = TABLES[arch][kernel]
     choices = table.get(head_dim_tile(head_dim), ())  # empty only for the fused backward
-    if modified:
+    if scores == ScoreTables.MODIFIED:
         choices = [config for config in choices if (config.num_ctas or 1) == 1]
     return tuple(choices)
 
 
 def _all_configs():
     tables = [*(table for kernels in TABLES.values() for table in kernels.values()), *WIDE_TABLE.values()]
-    tables += list(MODIFIED_TABLES.values())
+    tables += list(MODIFIED_TABLES.values()) + list(ALIBI_TABLES.values())
     return [config for table in tables for choices in table.values() for config in choices]
 
 

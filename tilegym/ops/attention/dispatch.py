@@ -27,6 +27,10 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # perf-notes#fused-backward-window) and on packed batches of lengths in [128, 4096] (bwd 0 to
 # +10%, D=64 causal -6%; perf-notes#fused-backward-packed). Keyed by head-dim tile.
 FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
+# With ALiBi the fused backward runs on tiles of its own (configs.ALIBI_TABLES): at D=64 bwd
+# +0.4-4% over two kernels, at D=128 (64x64 tiles) -1 to +3% and fwd+bwd up to 6% slower
+# (perf-notes#alibi-tables). Keyed by head-dim tile.
+FUSED_ALIBI_HEAD_DIM_TILES = (64,)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -47,11 +51,12 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
     Fused only for calls, dense or packed, whose score switches the variant takes (a sliding
-    window, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
+    window or ALiBi, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
     fused table (candidates(name) is not empty), never under torch.use_deterministic_algorithms
     (the order of the fp32 sums varies between runs); "auto" also needs
-    FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), and with a window or
-    packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES. Causal grouped-query attention takes
+    FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window or
+    packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES, with ALiBi one in
+    FUSED_ALIBI_HEAD_DIM_TILES. Causal grouped-query attention takes
     the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
@@ -59,7 +64,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return None
     grouped = problem.causal and problem.query_group_size > 1
     name = BACKWARD_FUSED_GROUPED if grouped else BACKWARD_FUSED
-    if not problem.mods.switches <= VARIANTS[name].modifiers or bias_grad or not candidates(name):
+    if not VARIANTS[name].takes_switches(problem.mods.switches) or bias_grad or not candidates(name):
         return None
     if problem.value_dim > problem.head_dim:
         # A V wider than Q adds dV accumulators the fused tables were not sized for: Dqk=64 with
@@ -67,8 +72,11 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return None
     if choice == "fused":
         return name
+    tile = configs.head_dim_tile(problem.tuning_head_dim)
     short_loops = problem.mods.window is not None or problem.packing is not None
-    if short_loops and configs.head_dim_tile(problem.tuning_head_dim) not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
+    if short_loops and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
+        return None
+    if problem.mods.alibi and tile not in FUSED_ALIBI_HEAD_DIM_TILES:
         return None
     return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
 

@@ -76,8 +76,8 @@ class _Launcher(TunedLauncher):
         if forced is not None:
             return forced
         problem = self.problem
-        modified = not problem.mods.plain_scores
-        return configs.candidates(kernel_name, self.arch, problem.tuning_head_dim, problem.dtype.itemsize, modified)
+        scores = configs.score_tables(problem.mods.switches)
+        return configs.candidates(kernel_name, self.arch, problem.tuning_head_dim, problem.dtype.itemsize, scores)
 
     def tuned(self, name: str, values: dict, before_each=None) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned

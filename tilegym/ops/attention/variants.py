@@ -18,9 +18,14 @@ class Variant:
     fixed: MappingProxyType  # compile-time parameter -> the value this variant pins
     tiles: str  # "query" or "key": the sequence whose tiles grid axis 0 counts
     heads: str  # "query" or "kv": the heads grid axis 1 counts (axis 2 is the batch)
-    modifiers: frozenset  # the score switches (SCORE_SWITCHES) it compiles with; empty: plain scores only
+    # The sets of score switches (SCORE_SWITCHES) it compiles with: a call runs it if its
+    # switches fall within one of them (takes_switches).
+    modifiers: tuple
     default: bool  # has a config table on every arch; the others only where they win
     about: str
+
+    def takes_switches(self, switches: frozenset) -> bool:
+        return any(switches <= allowed for allowed in self.modifiers)
 
     @property
     def kernel(self):
@@ -35,15 +40,17 @@ class Variant:
 # "functions" for the caller's score and mask functions (inlined into kernel copies). Sinks and
 # the LSE's gradient touch only each row's statistics: every variant that takes them does.
 SCORE_SWITCHES = frozenset({"bias_mode", "windowed", "capped", "alibi", "functions"})
-PLAIN_SCORES = frozenset()
-# A sliding window only hides scores: the fused backward compiles with it on its plain tables
-# without spilling, where ALiBi and softcap spilled (sm_90: up to 17 and 289 local loads).
-WINDOW_ONLY = frozenset({"windowed"})
+PLAIN_SCORES = (frozenset(),)
+ANY_SCORES = (SCORE_SWITCHES,)
+# The fused backward compiles without spilling with a sliding window (it only hides scores) on
+# its plain tables, and with ALiBi on tables of its own (configs.ALIBI_TABLES); with both
+# together, and with softcap, it spilled (sm_90: 21 and up to 289 local loads).
+WINDOW_OR_ALIBI = (frozenset({"windowed"}), frozenset({"alibi"}))
 
 
-def _variant(name, kernel_name, grid, about, modifiers=SCORE_SWITCHES, default=True, **fixed) -> Variant:
+def _variant(name, kernel_name, grid, about, modifiers=ANY_SCORES, default=True, **fixed) -> Variant:
     tiles, heads = grid
-    return Variant(name, kernel_name, MappingProxyType(fixed), tiles, heads, frozenset(modifiers), default, about)
+    return Variant(name, kernel_name, MappingProxyType(fixed), tiles, heads, tuple(modifiers), default, about)
 
 
 FORWARD = "attention_forward"
@@ -129,7 +136,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 _KEY_TILES,
                 "fused backward: dK, dV and dQ summed by TMA reductions",
-                modifiers=WINDOW_ONLY,
+                modifiers=WINDOW_OR_ALIBI,
                 default=False,
                 sum_dq=True,
                 sum_dkdv=False,
@@ -140,7 +147,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 ("key", "query"),
                 "fused backward of causal GQA: a program per query head, dK and dV summed too",
-                modifiers=WINDOW_ONLY,
+                modifiers=WINDOW_OR_ALIBI,
                 default=False,
                 sum_dq=True,
                 sum_dkdv=True,
