@@ -157,7 +157,7 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     )
     with tempfile.TemporaryDirectory() as workdir:
         for variant in (FORWARD_LSE, BACKWARD_DQ, BACKWARD_DKDV):
-            config = configs.candidates(variant, "sm_90", 64, 2, True)[0]
+            config = configs.candidates(variant, "sm_90", 64, 2, configs.ScoreTables.MODIFIED)[0]
             kernel = autotune.with_hints(programmable.user_kernel(VARIANTS[variant].kernel, functions), config)
             signature = sass.signature(
                 variant, ct.bfloat16, 64, config, True, {"block_sparse": masks}, arrays=arrays

@@ -63,7 +63,10 @@ def alibi(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> dict:
 def relative_position_bias(table: torch.Tensor, max_distance: int) -> dict:
     """T5-style learned relative positions: score + table[h, clamp(j - i, -max_distance,
     max_distance) + max_distance] with table [Hq, 2 * max_distance + 1]. When table requires
-    grad it gets one, summed by atomic adds (its last bits vary from run to run)."""
+    grad it gets one, summed by atomic adds (its last bits vary from run to run).
+
+    A tile whose pairs all lie beyond max_distance on one side reads one end of the table once
+    instead of an entry per score: with long sequences, most tiles."""
     expected = 2 * max_distance + 1
     if table.dim() != 2 or table.shape[1] != expected:
         raise ValueError(f"table must be [heads, 2 * max_distance + 1 = {expected}], got {list(table.shape)}")
@@ -71,8 +74,24 @@ def relative_position_bias(table: torch.Tensor, max_distance: int) -> dict:
     def bucket(q_idx, kv_idx):
         return ct.minimum(ct.maximum(kv_idx - q_idx, -max_distance), max_distance) + max_distance
 
+    def end_bucket(q_idx, kv_idx):
+        """The table end every pair of the tile falls in (0 or 2 * max_distance), or -1 if some
+        pair is within max_distance: two reductions of the index tiles, not one per score."""
+        if ct.max(kv_idx) - ct.min(q_idx) < -max_distance:
+            end = 0
+        elif ct.min(kv_idx) - ct.max(q_idx) > max_distance:
+            end = 2 * max_distance
+        else:
+            end = -1
+        return end
+
     def relative_score(score, b, h, q_idx, kv_idx, aux):
-        return score + ct.astype(ct.gather(aux[0], (h, bucket(q_idx, kv_idx))), score.dtype)
+        end = end_bucket(q_idx, kv_idx)
+        if end >= 0:
+            result = score + ct.astype(ct.gather(aux[0], (h, end)), score.dtype)
+        else:
+            result = score + ct.astype(ct.gather(aux[0], (h, bucket(q_idx, kv_idx))), score.dtype)
+        return result
 
     def relative_table_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
         # Pairs farther apart than max_distance share the table's two end buckets: one sum per
