@@ -349,14 +349,23 @@ def test_op_attention_programmable_bad_arguments():
         tile_fmha(q, k, v, block_mask=mask)
     with pytest.raises(ValueError, match="either block_mask or mask_mod"):
         tile_fmha(q, k, v, block_mask=mask, mask_mod=docs["mask_mod"])
-    # Packed batches take score functions (test_attention_varlen), not masks or aux gradients yet.
+    # Packed batches take score functions and masks (test_attention_varlen), not aux gradients
+    # yet; a block mask serves only the kind of batch it was made for.
     cu = torch.tensor([0, 77], dtype=torch.int32, device="cuda")
     packed = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 77, "max_seqlen_k": 77}
     rows = [t[0].transpose(0, 1) for t in (q, k, v)]
-    with pytest.raises(ValueError, match="mask_mod, mask_aux: not supported with a packed batch"):
-        tile_fmha_functional(*rows, **packed, **docs)
     with pytest.raises(ValueError, match="aux tensors that require grad"):
         tile_fmha_functional(*rows, **packed, **relative)
+    dense_mask = create_block_mask(docs["mask_mod"], None, None, 77, 77, mask_aux=docs["mask_aux"])
+    with pytest.raises(ValueError, match="made for dense batches"):
+        tile_fmha_functional(*rows, **packed, block_mask=dense_mask)
+    other = cu.clone()
+    packed_mask = create_block_mask(docs["mask_mod"], None, None, 77, 77, mask_aux=docs["mask_aux"],
+                                    cu_seqlens_q=other, cu_seqlens_k=other)  # fmt: skip
+    with pytest.raises(ValueError, match="other cu_seqlens_q"):
+        tile_fmha_functional(*rows, **packed, block_mask=packed_mask)
+    with pytest.raises(ValueError, match="made for a packed batch"):
+        tile_fmha(q, k, v, block_mask=packed_mask)
 
 
 def test_op_attention_programmable_in_a_cuda_graph():

@@ -121,7 +121,26 @@ def test_create_block_mask_checks():
     with pytest.raises(ValueError, match="Q_LEN must be a positive int"):
         block_mask.create_block_mask(lambda b, h, i, j, a: i >= j, 1, 1, -1, 8, device="cpu")
     mask = block_mask.create_block_mask(lambda b, h, i, j, a: i >= j, None, 4, 8, 8, device="cpu")
-    assert mask.shape == (1, 4, 8, 8)
+    assert mask.shape == (1, 4, 8, 8) and mask.cu_seqlens is None
+
+
+def test_create_block_mask_for_packed_batches_checks_the_lengths():
+    """B counts the sequences; both cumulative lengths, int32 [N + 1] on the mask's device."""
+    causal = lambda b, h, i, j, a: i >= j  # noqa: E731
+    cu = torch.tensor([0, 5, 9, 9], dtype=torch.int32)
+    mask = block_mask.create_block_mask(causal, None, 2, 8, 8, device="cpu", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert mask.shape == (3, 2, 8, 8) and mask.cu_seqlens.q is cu
+    bad = {
+        "only-q": ({"cu_seqlens_q": cu}, TypeError, "cu_seqlens_k must be a tensor"),
+        "int64": ({"cu_seqlens_q": cu.long(), "cu_seqlens_k": cu}, ValueError, "cu_seqlens_q must be int32"),
+        "2-d": ({"cu_seqlens_q": cu, "cu_seqlens_k": cu[None]}, ValueError, "cu_seqlens_k must be int32"),
+        "lengths": ({"cu_seqlens_q": cu, "cu_seqlens_k": cu[:3]}, ValueError, "one length"),
+    }
+    for given, error, message in bad.values():
+        with pytest.raises(error, match=message):
+            block_mask.create_block_mask(causal, None, 2, 8, 8, device="cpu", **given)
+    with pytest.raises(ValueError, match="B must be None or the number of sequences"):
+        block_mask.create_block_mask(causal, 2, 2, 8, 8, device="cpu", cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
 # Every ready-made function, its aux and mask_aux arrays as the kernels see them, and whether
@@ -204,9 +223,11 @@ def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch):
     assert gradients.d_aux[0].shape == table.shape and torch.equal(gradients.d_aux[0], torch.zeros_like(table))
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("name", [name for name, (_, _, masks) in _READY_MADE.items() if masks])
-def test_ready_made_masks_compile_into_the_sorting_kernel(name):
-    """The kernel that sorts a block mask's tiles compiles with each ready-made mask for sm_90."""
+def test_ready_made_masks_compile_into_the_sorting_kernel(name, varlen):
+    """The kernel that sorts a block mask's tiles compiles with each ready-made mask for sm_90,
+    dense and packed."""
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 
     from tilegym.ops.attention.kernels.block_mask import block_mask_kernel
@@ -214,7 +235,9 @@ def test_ready_made_masks_compile_into_the_sorting_kernel(name):
     kwargs, arrays, _ = _READY_MADE[name]
     kernel = programmable.user_kernel(block_mask_kernel, programmable.user_functions(mask_mod=kwargs["mask_mod"]))
     aux = [sass.array_constraint(*arrays.get(f"MaskAux{slot}", (ct.float32, 1))) for slot in range(4)]
-    parameters = [sass.array_constraint(ct.int8, 4), *aux, *[ScalarConstraint(ct.int32)] * 4, 128, 64, True, False]
+    lengths = [sass.array_constraint(ct.int32, 1)] * 2
+    sizes = [ScalarConstraint(ct.int32)] * 6
+    parameters = [sass.array_constraint(ct.int8, 4), *aux, *lengths, *sizes, 128, 64, True, False, varlen]
     signature = KernelSignature(parameters, CallingConvention.cutile_python_v2()).with_mangled_symbol("sort_tiles")
     with tempfile.TemporaryDirectory() as workdir:
         export_kernel(kernel, [signature], str(Path(workdir) / "k.cubin"), gpu_code="sm_90", output_format="cubin")

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tests.ops.attention_cases import EPS, assert_close_to_reference, capture_training_step, max_error
 from tests.ops.conftest import requires_cuda
 from tests.ops.test_attention_varlen_cpu import BAD_LENGTH_ARGUMENTS, valid_arguments
-from tilegym import tile_fmha_functional, tile_fmha_varlen
+from tilegym import create_block_mask, tile_fmha_functional, tile_fmha_varlen
 from tilegym.ops.attention import dispatch
 from tilegym.ops.attention import score_functions as sf
 from tilegym.ops.attention.reference import attention_reference, causal_mask
@@ -720,6 +720,58 @@ def test_op_varlen_score_function_sees_the_sequence():
 
     functions = {"score_mod": by_sequence, "score_mod_grad": by_sequence_grad}
     check(batch, True, functions=functions, per_sequence=bias)
+
+
+# Masks see each sequence alone too (b the sequence, positions within it): given as mask_mod,
+# or as a block mask made with the call's cumulative lengths. name: (causal, builder of the mask
+# arguments and of what they mean per sequence, a boolean [Lq, Lk] of visible pairs).
+def _prefix_lm(sequences):
+    prefix = torch.randint(0, 60, (sequences,), dtype=torch.int32, device=DEVICE)
+
+    def visible(sequence, seqlen_q, seqlen_k):
+        rows, cols = _grid(seqlen_q, seqlen_k)
+        return (cols < prefix[sequence]) | (cols <= rows)
+
+    return sf.prefix_lm(prefix), visible
+
+
+def _window_globals(sequences):
+    def visible(sequence, seqlen_q, seqlen_k):
+        rows, cols = _grid(seqlen_q, seqlen_k)
+        return (rows - cols < 16) | (cols < 3)
+
+    return sf.sliding_window_with_globals(16, 3), visible
+
+
+def _grid(seqlen_q, seqlen_k):
+    return torch.arange(seqlen_q, device=DEVICE)[:, None], torch.arange(seqlen_k, device=DEVICE)[None, :]
+
+
+MASKS = {"prefix-lm": (False, _prefix_lm), "window-globals-causal": (True, _window_globals)}
+
+
+@pytest.mark.parametrize("form", ["mask_mod", "block_mask"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_op_varlen_masks(name, head_dim, form):
+    """Empty sequences, a single row, Lq != Lk, GQA and spare rows, against each sequence's
+    reference with its hidden pairs at -inf; the block mask made once serves forward and
+    backward."""
+    causal, build = MASKS[name]
+    batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2, head_dim, spare_q=5, spare_k=3)
+    mask, visible = build(batch.sequences)
+    if form == "block_mask":
+        cu_q, cu_k, max_q, max_k = batch.lengths
+        made = create_block_mask(mask["mask_mod"], None, None, max_q, max_k, mask_aux=mask.get("mask_aux"),
+                                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # fmt: skip
+        mask = {"block_mask": made}
+
+    def hidden(sequence, seqlen_q, seqlen_k):
+        seen = visible(sequence, seqlen_q, seqlen_k)
+        bias = torch.zeros(seen.shape, dtype=torch.float64, device=DEVICE).masked_fill(~seen, -math.inf)
+        return {"attn_bias": bias}
+
+    check(batch, causal, lse_grad=True, functions=mask, per_sequence=hidden)
 
 
 # ---- the fused backward ------------------------------------------------------------------------

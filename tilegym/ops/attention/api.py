@@ -305,7 +305,8 @@ def tile_fmha_functional(
     With cu_seqlens_q and cu_seqlens_k (and max_seqlen_q, max_seqlen_k), q, k and v are a packed
     batch, as tile_fmha_varlen takes it (no attn_bias); training=False then returns the same
     values without a gradient. A packed batch takes score_mod (b is the sequence, q_idx and kv_idx
-    count within it) with aux tensors that need no gradient; not mask_mod or block_mask yet."""
+    count within it) with aux tensors that need no gradient, and mask_mod, or a block_mask made
+    with the call's cu_seqlens_q and cu_seqlens_k (create_block_mask), seeing the same indices."""
     if training is None:
         training = _needs_grad(q, k, v, attn_bias, sinks, *_Programs.aux_tensors_of(aux))
     elif not isinstance(training, bool):
@@ -315,19 +316,13 @@ def tile_fmha_functional(
         "mask_mod": mask_mod, "mask_aux": mask_aux, "block_mask": block_mask,
     }  # fmt: skip
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        masks = [name for name in ("mask_mod", "mask_aux", "block_mask") if programs[name] is not None]
-        if masks:
-            raise ValueError(
-                f"{', '.join(masks)}: not supported with a packed batch (cu_seqlens_q) yet; a packed batch already "
-                "keeps its sequences apart, and score_mod sees positions within each sequence"
-            )
         if attn_bias is not None:
             raise ValueError(
                 "attn_bias is not supported with a packed batch (cu_seqlens_q); use window_size or alibi_slopes"
             )
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-        functions = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, None, None, None)
+        functions = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
         return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training, functions)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
@@ -384,13 +379,14 @@ class _Programs:
         """aux as given (None, one tensor, a tuple or a list) as a tuple, unchecked."""
         return tuple(aux) if isinstance(aux, (tuple, list)) else () if aux is None else (aux,)
 
-    def check(self, q, problem, mod_tensors, training: bool):
-        """(problem, mod_tensors) with the caller's functions and tensors, checked."""
+    def check(self, q, problem, mod_tensors, training: bool, cu_seqlens=None):
+        """(problem, mod_tensors) with the caller's functions and tensors, checked; cu_seqlens: a
+        packed call's CuSeqlens."""
         if problem.packing is not None and training and any(t.requires_grad for t in self.aux_tensors()):
             raise ValueError("aux tensors that require grad (aux_grad) are not supported with a packed batch yet")
         mask = check_block_mask(
             self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
-            problem.seqlen_k,
+            problem.seqlen_k, cu_seqlens,
         )  # fmt: skip
         aux = programmable.check_aux(self.aux, q, "aux")
         # aux_grad runs (its atomic adds cost) only where some aux tensor takes a gradient.
@@ -479,7 +475,7 @@ def _packed_eager(
     aux = () if programs is None else programs.aux_tensors()
     needs_grad = differentiable and _needs_grad(q, k, v, mods.sinks, *aux)
     if programs is not None:
-        problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad)
+        problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad, cu_seqlens)
     if needs_grad:
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
         views = heads_major(q), heads_major(k), heads_major(v)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tilegym.ops.attention import programmable
+from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.programmable import UserFunctions
 
 # Tile kinds, as the classifying kernel writes them (kernels/block_mask.py).
@@ -25,12 +26,15 @@ _FULL = 2
 @dataclass(frozen=True)
 class MaskRule:
     """What besides mask_mod decides a pair's visibility in a call: the kernels' causal switch and
-    window sides (launch._modifier_arguments' values)."""
+    window sides (launch._modifier_arguments' values); packed, the rows of the call's arrays,
+    which clamp each sequence's length (kernels/packed.py)."""
 
     causal: bool
     windowed: bool
     window_left: int
     window_right: int
+    total_q: int = 0
+    total_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,15 +48,19 @@ class TileListTensors:
 
 class BlockMask:
     """mask_mod over [batch, heads, seqlen_q, seqlen_k], batch or heads 1 where the mask is the
-    same for every batch entry or head. Made by create_block_mask; pass it as block_mask= to
-    the attention functions."""
+    same for every batch entry or head; or, packed (cu_seqlens), over each sequence of a packed
+    batch, batch counting the sequences and seqlen_q, seqlen_k the longest lengths. Made by
+    create_block_mask; pass it as block_mask= to the attention functions."""
 
-    def __init__(self, mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, mask_aux, device):
+    def __init__(
+        self, mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, mask_aux, device, cu_seqlens=None
+    ):
         self.mask_mod = mask_mod
         self.functions: UserFunctions = programmable.user_functions(mask_mod=mask_mod)
         self.batch, self.heads, self.seqlen_q, self.seqlen_k = batch, heads, seqlen_q, seqlen_k
         self.mask_aux = mask_aux
         self.device = device
+        self.cu_seqlens: CuSeqlens | None = cu_seqlens
         self._lists: dict[tuple, TileListTensors] = {}
 
     @property
@@ -101,6 +109,9 @@ def create_block_mask(
     KV_LEN: int,
     device="cuda",
     mask_aux=None,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> BlockMask:
     """A BlockMask of mask_mod over [B, H, Q_LEN, KV_LEN] (FlexAttention's create_block_mask).
 
@@ -115,6 +126,10 @@ def create_block_mask(
         Q_LEN, KV_LEN: the query and key lengths of the calls it serves.
         device: where the mask's tensors and lists live.
         mask_aux: up to 4 tensors mask_mod reads (document ids, lengths, ...).
+        cu_seqlens_q, cu_seqlens_k: a mask for packed batches with these cumulative lengths
+            (int32 [N + 1] on the device, the very tensors the calls pass): B is then N (or
+            None), Q_LEN and KV_LEN the calls' max_seqlen_q and max_seqlen_k, and mask_mod
+            sees the sequence as b and positions within it, as score_mod does.
 
     The tiles are sorted on first use by each kernel tiling (one kernel run each, cached in the
     mask), so a mask made once serves every later call, forward and backward. Call the
@@ -143,24 +158,57 @@ def create_block_mask(
         sizes[name] = value
     probe = torch.empty(0, device=device)
     mask_aux = programmable.check_aux(mask_aux, probe, "mask_aux")
-    return BlockMask(mask_mod, sizes["B"], sizes["H"], sizes["Q_LEN"], sizes["KV_LEN"], mask_aux, device)
+    cu_seqlens = _packed_lengths(cu_seqlens_q, cu_seqlens_k, B, probe)
+    batch = sizes["B"] if cu_seqlens is None else cu_seqlens.q.numel() - 1
+    return BlockMask(mask_mod, batch, sizes["H"], sizes["Q_LEN"], sizes["KV_LEN"], mask_aux, device, cu_seqlens)
+
+
+def _packed_lengths(cu_seqlens_q, cu_seqlens_k, batch, probe) -> CuSeqlens | None:
+    """create_block_mask's cumulative lengths, checked: both or neither, int32 [N + 1] on the
+    mask's device, N matching B where B is given."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return None
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor with cu_seqlens_q and cu_seqlens_k both given, got {cu!r}")
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != probe.device:
+            raise ValueError(
+                f"{name} must be int32 [sequences + 1] on {probe.device}, got {cu.dtype} {list(cu.shape)} "
+                f"on {cu.device}"
+            )
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have one length (sequences + 1)")
+    if batch is not None and batch != cu_seqlens_q.numel() - 1:
+        raise ValueError(f"B must be None or the number of sequences ({cu_seqlens_q.numel() - 1}), got {batch}")
+    return CuSeqlens(cu_seqlens_q, cu_seqlens_k)
 
 
 def check_block_mask(
-    block_mask, mask_mod, mask_aux, q: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int
+    block_mask,
+    mask_mod,
+    mask_aux,
+    q: torch.Tensor,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    cu_seqlens: CuSeqlens | None = None,
 ):
     """The call's BlockMask: block_mask checked against the call's sizes, or one made for this
-    call from mask_mod; None without either."""
+    call from mask_mod; None without either. cu_seqlens: a packed call's cumulative lengths
+    (batch counts its sequences, seqlen_q and seqlen_k are its longest lengths)."""
     if block_mask is None:
         if mask_mod is None:
             if mask_aux is not None:
                 raise ValueError("mask_aux is given without mask_mod or block_mask")
             return None
-        return create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, q.device, mask_aux)
+        lengths = {} if cu_seqlens is None else {"cu_seqlens_q": cu_seqlens.q, "cu_seqlens_k": cu_seqlens.k}
+        return create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, q.device, mask_aux, **lengths)
     if mask_mod is not None or mask_aux is not None:
         raise ValueError("give either block_mask or mask_mod (with mask_aux), not both: a block mask holds its own")
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a BlockMask (create_block_mask), got {type(block_mask).__name__}")
+    _check_mask_packing(block_mask.cu_seqlens, cu_seqlens)
     if (block_mask.seqlen_q, block_mask.seqlen_k) != (seqlen_q, seqlen_k):
         raise ValueError(
             f"block_mask covers Q_LEN={block_mask.seqlen_q}, KV_LEN={block_mask.seqlen_k}, but the call has "
@@ -174,3 +222,22 @@ def check_block_mask(
     if block_mask.device != q.device:
         raise ValueError(f"block_mask is on {block_mask.device}, q on {q.device}")
     return block_mask
+
+
+def _check_mask_packing(made_for: CuSeqlens | None, call: CuSeqlens | None) -> None:
+    """A packed call needs a block mask made with its very cumulative-length tensors (their
+    contents are read on the GPU only), a dense call one made without."""
+    if made_for is None and call is None:
+        return
+    if made_for is None:
+        raise ValueError(
+            "block_mask was made for dense batches; a packed batch needs one made with its cu_seqlens_q and "
+            "cu_seqlens_k (create_block_mask(..., cu_seqlens_q=..., cu_seqlens_k=...))"
+        )
+    if call is None:
+        raise ValueError("block_mask was made for a packed batch (cu_seqlens_q); this call is dense")
+    if made_for.q is not call.q or made_for.k is not call.k:
+        raise ValueError(
+            "block_mask was made with other cu_seqlens_q / cu_seqlens_k tensors than this call's: pass the same "
+            "tensors to create_block_mask and to the call"
+        )

@@ -177,8 +177,9 @@ def mask_rule(problem: AttentionProblem) -> MaskRule:
     mods = problem.mods
     reach = problem.seqlen_q + problem.seqlen_k
     left, right = (reach if side < 0 else side for side in (mods.window or (-1, -1)))
+    totals = (0, 0) if problem.packing is None else (problem.packing.total_q, problem.packing.total_k)
     # A window carries its own right side: the kernels' causal mask stays off under one.
-    return MaskRule(problem.causal and mods.window is None, mods.window is not None, left, right)
+    return MaskRule(problem.causal and mods.window is None, mods.window is not None, left, right, *totals)
 
 
 def _user_arguments(tensors: ModTensors, device):
@@ -225,9 +226,11 @@ def classify_tiles(mask: BlockMask, block_m: int, block_n: int, rule: MaskRule) 
     kernel = programmable.user_kernel(block_mask_kernel, mask.functions)
     aux = [mask.mask_aux[slot] if slot < len(mask.mask_aux) else _unused(mask.device, 1)
            for slot in range(programmable.AUX_SLOTS)]  # fmt: skip
+    packed = mask.cu_seqlens
+    lengths = (_unused(mask.device, 1, torch.int32),) * 2 if packed is None else (packed.q, packed.k)
     arguments = (
-        kinds, *aux, mask.seqlen_q, mask.seqlen_k, rule.window_left, rule.window_right, block_m, block_n,
-        rule.causal, rule.windowed,
+        kinds, *aux, *lengths, mask.seqlen_q, mask.seqlen_k, rule.total_q, rule.total_k, rule.window_left,
+        rule.window_right, block_m, block_n, rule.causal, rule.windowed, packed is not None,
     )  # fmt: skip
     with programmable.naming_errors(mask.functions):
         ct.launch(current_stream_handle(mask.device.index), (rows, cols, mask.batch * mask.heads), kernel, arguments)

@@ -34,7 +34,12 @@ class Rows:
 def sequence_rows(CuSeqlens, seq, packed, max_len):
     """Rows of sequence seq in packed, from CuSeqlens ([N + 1] int32), clamped so that
     0 <= start <= end <= total and end - start <= max_len (the grid covers max_len rows)."""
-    total = ct.astype(packed.shape[2], ct.int32)
+    return clamped_rows(CuSeqlens, seq, ct.astype(packed.shape[2], ct.int32), max_len)
+
+
+@ct.function
+def clamped_rows(CuSeqlens, seq, total, max_len):
+    """sequence_rows of an array of total rows: the one clamping rule of every kernel."""
     start = min(max(ct.gather(CuSeqlens, seq), 0), total)
     end = min(max(ct.gather(CuSeqlens, seq + 1), start), min(total, start + max_len))
     return Rows(start, end)
