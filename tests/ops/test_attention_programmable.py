@@ -368,6 +368,29 @@ def test_op_attention_programmable_bad_arguments():
         tile_fmha(q, k, v, block_mask=packed_mask)
 
 
+def test_op_attention_aux_gradient_refused_under_deterministic_algorithms():
+    """A learnable table's gradient is summed by atomic adds: torch.use_deterministic_algorithms
+    refuses it before any launch (warns with warn_only); a frozen table runs."""
+    case, causal, build = CASES["relative-table"]
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
+    kwargs, _, (table,) = build(case, torch.bfloat16)
+    out = tile_fmha_with_backward(q, k, v, is_causal=causal, **kwargs)
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="aux_grad"):
+            out.backward(torch.ones_like(out), retain_graph=True)
+        assert table.grad is None and q.grad is None
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="aux_grad"):
+            out.backward(torch.ones_like(out))
+        assert table.grad is not None and torch.isfinite(table.grad).all()
+        frozen = tile_fmha_with_backward(q, k, v, is_causal=causal, **{**kwargs, "aux": (table.detach(),)})
+        torch.use_deterministic_algorithms(True)
+        frozen.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_op_attention_programmable_in_a_cuda_graph():
     """A training step with a score function (its table learnable) and a block mask, captured and
     replayed on new inputs, gives the eager step's values."""

@@ -144,6 +144,13 @@ _SM90_FUSED_ALIBI = {
     64: [_c(64, 128, num_worker_warps=8)],
     128: [_c(64, 64, num_worker_warps=8), _c(64, 64)],
 }
+# A mask function alone hides scores as a window does: the forward keeps raw products, and on
+# plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
+# 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
+# caller's mask may take more registers than the document mask they compiled clean with.
+_SM90_FORWARD_MASKED = _SM90_FORWARD_MODIFIED | {
+    d: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8)] for d in (64, 128)
+}
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
@@ -259,14 +266,18 @@ class ScoreTables(Enum):
 
     PLAIN = "plain"  # TABLES
     ALIBI = "alibi"  # ALIBI_TABLES where they name the kernel, else as MODIFIED
+    MASKS = "masks"  # MASK_TABLES where they name the kernel, else as MODIFIED
     MODIFIED = "modified"  # MODIFIED_TABLES where they name the kernel, else TABLES; single CTAs
 
 
 def score_tables(switches: frozenset) -> ScoreTables:
-    """The tables for a call's score switches (score_mods.ScoreMods.switches)."""
+    """The tables for a call's score switches (score_mods.ScoreMods.switches): ALiBi alone and a
+    mask function alone have their own."""
     if not switches:
         return ScoreTables.PLAIN
-    return ScoreTables.ALIBI if switches == {"alibi"} else ScoreTables.MODIFIED
+    return {frozenset({"alibi"}): ScoreTables.ALIBI, frozenset({"masks"}): ScoreTables.MASKS}.get(
+        switches, ScoreTables.MODIFIED
+    )
 
 
 # Tables that replace TABLES[arch][kernel] when any score modifier is on.
@@ -276,12 +287,13 @@ MODIFIED_TABLES = {
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED,
     ("sm_90", BACKWARD_DQ): _SM90_DQ_MODIFIED,
 }
-# Tables that replace those for calls with ALiBi alone.
+# Tables that replace those for calls with ALiBi alone, and with a mask function alone.
 ALIBI_TABLES = {
     ("sm_90", FORWARD): _SM90_FORWARD_ALIBI,
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_ALIBI,
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
 }
+MASK_TABLES = {("sm_90", FORWARD): _SM90_FORWARD_MASKED, ("sm_90", FORWARD_LSE): _SM90_FORWARD_MASKED}
 
 
 @cache
@@ -291,7 +303,7 @@ def candidates(
     """The configs to try for one kernel, first one the default; scores: the tables the call's
     score switches pick (score_tables).
 
-    With score modifiers other than ALiBi alone no config runs on CTA clusters: the two-CTA
+    With score modifiers other than ALiBi alone or a mask alone no config runs on CTA clusters: the two-CTA
     forward faulted on a misaligned address with a one-row bias on Hopper
     (perf-notes#forward-cta-clusters). Cached: every launch asks.
     """
@@ -299,6 +311,8 @@ def candidates(
         table = WIDE_TABLE[kernel]
     elif scores == ScoreTables.ALIBI and (arch, kernel) in ALIBI_TABLES:
         table = ALIBI_TABLES[arch, kernel]
+    elif scores == ScoreTables.MASKS and (arch, kernel) in MASK_TABLES:
+        table = MASK_TABLES[arch, kernel]
     elif scores != ScoreTables.PLAIN and (arch, kernel) in MODIFIED_TABLES:
         table = MODIFIED_TABLES[arch, kernel]
     else:
@@ -311,7 +325,7 @@ def candidates(
 
 def _all_configs():
     tables = [*(table for kernels in TABLES.values() for table in kernels.values()), *WIDE_TABLE.values()]
-    tables += list(MODIFIED_TABLES.values()) + list(ALIBI_TABLES.values())
+    tables += [*MODIFIED_TABLES.values(), *ALIBI_TABLES.values(), *MASK_TABLES.values()]
     return [config for table in tables for choices in table.values() for config in choices]
 
 

@@ -4,6 +4,7 @@ variants dispatch.py chooses launched with their tuned configs. Inputs arrive va
 
 import dataclasses
 import math
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -372,6 +373,9 @@ def backward(
     the sinks' gradient, summed over batch and rows in a fixed order (deterministic). Packed
     (cu_seqlens, as forward), the gradients cover every row: zeros where no sequence is.
     """
+    user = problem.mods.user
+    if user is not None and user.aux_grad is not None:
+        _alert_not_deterministic("the aux tensors' gradient (aux_grad) is summed by atomic adds")
     dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
     sinks_grad = sinks_grad and problem.mods.sinks
     if not problem.wide_index and any(index_width.needs_int64(t) for t in (d_out, d_lse) if t is not None):
@@ -408,6 +412,21 @@ def _aux_gradients(problem: AttentionProblem, mod_tensors: ModTensors) -> tuple 
         return None
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
     return tuple(torch.empty(t.shape, dtype=dtype, device=t.device) for t in mod_tensors.aux)
+
+
+def _alert_not_deterministic(what: str) -> None:
+    """Under torch.use_deterministic_algorithms(True), a RuntimeError before a launch whose sums
+    vary from run to run (a warning with warn_only=True), as PyTorch's own operators do."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        f"{what}, whose last bits vary from run to run, but torch.use_deterministic_algorithms(True) is set: "
+        "give the aux tensors no gradient (requires_grad=False), or turn it off for this call"
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, stacklevel=3)
+        return
+    raise RuntimeError(message)
 
 
 def _sinks_grad_without_keys(problem: AttentionProblem, mod_tensors: ModTensors, d_lse) -> torch.Tensor:

@@ -56,7 +56,8 @@ class ScoreMods:
             "windowed": self.window is not None,
             "capped": bool(self.softcap),
             "alibi": self.alibi,
-            "functions": self.user is not None,
+            "functions": self.user is not None and self.user.score_mod is not None,
+            "masks": self.user is not None and self.user.mask_mod is not None,
         }
         return frozenset(name for name, on in used.items() if on)
 

@@ -37,9 +37,10 @@ class Variant:
 
 # The compile-time switches of the modifiers that change or hide scores, as
 # score_mods.ScoreMods.switches names those of a call: the kernels' switch parameters, and
-# "functions" for the caller's score and mask functions (inlined into kernel copies). Sinks and
-# the LSE's gradient touch only each row's statistics: every variant that takes them does.
-SCORE_SWITCHES = frozenset({"bias_mode", "windowed", "capped", "alibi", "functions"})
+# "functions" and "masks" for the caller's score and mask functions (inlined into kernel
+# copies). Sinks and the LSE's gradient touch only each row's statistics: every variant that
+# takes them does.
+SCORE_SWITCHES = frozenset({"bias_mode", "windowed", "capped", "alibi", "functions", "masks"})
 PLAIN_SCORES = (frozenset(),)
 ANY_SCORES = (SCORE_SWITCHES,)
 # The fused backward compiles without spilling with a sliding window (it only hides scores) on
