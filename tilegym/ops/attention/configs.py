@@ -147,7 +147,8 @@ _SM90_FUSED_ALIBI = {
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
 # plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
 # 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
-# caller's mask may take more registers than the document mask they compiled clean with.
+# caller's mask may take more registers than the document mask they compiled clean with. Its
+# dK/dV kernel runs plain attention's table too (D=128 at two CTAs per SM: bwd -14 to -17%).
 _SM90_FORWARD_MASKED = _SM90_FORWARD_MODIFIED | {
     d: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8)] for d in (64, 128)
 }
@@ -293,7 +294,11 @@ ALIBI_TABLES = {
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_ALIBI,
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
 }
-MASK_TABLES = {("sm_90", FORWARD): _SM90_FORWARD_MASKED, ("sm_90", FORWARD_LSE): _SM90_FORWARD_MASKED}
+MASK_TABLES = {
+    ("sm_90", FORWARD): _SM90_FORWARD_MASKED,
+    ("sm_90", FORWARD_LSE): _SM90_FORWARD_MASKED,
+    ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
+}
 
 
 @cache
