@@ -308,22 +308,22 @@ def candidates(
     """The configs to try for one kernel, first one the default; scores: the tables the call's
     score switches pick (score_tables).
 
-    With score modifiers other than ALiBi alone or a mask alone no config runs on CTA clusters: the two-CTA
+    With score modifiers no config runs on CTA clusters outside the tables of ALiBi alone or a mask
+    alone (measured there on sm_90): the two-CTA
     forward faulted on a misaligned address with a one-row bias on Hopper
     (perf-notes#forward-cta-clusters). Cached: every launch asks.
     """
+    own = {ScoreTables.ALIBI: ALIBI_TABLES, ScoreTables.MASKS: MASK_TABLES}.get(scores, {})
     if element_size > 2:
         table = WIDE_TABLE[kernel]
-    elif scores == ScoreTables.ALIBI and (arch, kernel) in ALIBI_TABLES:
-        table = ALIBI_TABLES[arch, kernel]
-    elif scores == ScoreTables.MASKS and (arch, kernel) in MASK_TABLES:
-        table = MASK_TABLES[arch, kernel]
+    elif (arch, kernel) in own:
+        table = own[arch, kernel]
     elif scores != ScoreTables.PLAIN and (arch, kernel) in MODIFIED_TABLES:
         table = MODIFIED_TABLES[arch, kernel]
     else:
         table = TABLES[arch][kernel]
     choices = table.get(head_dim_tile(head_dim), ())  # empty only for the fused backward
-    if scores == ScoreTables.MODIFIED:
+    if scores != ScoreTables.PLAIN and table is not own.get((arch, kernel)):
         choices = [config for config in choices if (config.num_ctas or 1) == 1]
     return tuple(choices)
 
