@@ -69,16 +69,19 @@ def test_op_modified_configs_run_on_single_ctas():
                 table = configs.candidates(kernel, arch, head_dim, 2, configs.ScoreTables.MODIFIED)
                 assert table, f"no config for {kernel} on {arch} at d={head_dim} with modifiers"
                 assert all((config.num_ctas or 1) == 1 for config in table)
-                for own in (configs.ScoreTables.ALIBI, configs.ScoreTables.MASKS):
+                for own in (configs.ScoreTables.ALIBI, configs.ScoreTables.MASKS, configs.ScoreTables.FUNCTIONS):
                     assert configs.candidates(kernel, arch, head_dim, 2, own), (kernel, arch, own)
 
 
 def test_op_score_tables_follow_the_switches():
-    """ALiBi alone and a mask function alone pick their own tables; anything else the modified ones."""
+    """ALiBi alone, a mask function alone and a score function pick their own tables; anything
+    else the modified ones."""
     assert configs.score_tables(frozenset()) == configs.ScoreTables.PLAIN
     assert configs.score_tables(frozenset({"alibi"})) == configs.ScoreTables.ALIBI
     assert configs.score_tables(frozenset({"masks"})) == configs.ScoreTables.MASKS
-    for other in ({"alibi", "windowed"}, {"capped"}, {"windowed"}, {"functions"}, {"functions", "masks"}):
+    for functions in ({"functions"}, {"functions", "masks"}):
+        assert configs.score_tables(frozenset(functions)) == configs.ScoreTables.FUNCTIONS
+    for other in ({"alibi", "windowed"}, {"capped"}, {"windowed"}, {"functions", "alibi"}, {"masks", "capped"}):
         assert configs.score_tables(frozenset(other)) == configs.ScoreTables.MODIFIED
 
 

@@ -152,6 +152,11 @@ _SM90_FUSED_ALIBI = {
 _SM90_FORWARD_MASKED = _SM90_FORWARD_MODIFIED | {
     d: [_c(128, 128, occupancy=2, num_ctas=2), _c(128, 128, num_worker_warps=8)] for d in (64, 128)
 }
+# A caller's score function (with or without a mask): the modified dK/dV tiles first, then
+# plain attention's 64x64 at two CTAs per SM, which spills with the built-in modifiers and with
+# softcap as a function, but not with ALiBi or a relative-position table as functions, whose
+# backward it ran 13-22% faster (perf-notes#function-dkdv); the tuner times all three.
+_SM90_DKDV_FUNCTIONS = _SM90_DKDV_MODIFIED | {128: [*_SM90_DKDV_MODIFIED[128], _c(64, 64, occupancy=2)]}
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
@@ -268,17 +273,22 @@ class ScoreTables(Enum):
     PLAIN = "plain"  # TABLES
     ALIBI = "alibi"  # ALIBI_TABLES where they name the kernel, else as MODIFIED
     MASKS = "masks"  # MASK_TABLES where they name the kernel, else as MODIFIED
+    FUNCTIONS = "functions"  # FUNCTION_TABLES where they name the kernel, else as MODIFIED
     MODIFIED = "modified"  # MODIFIED_TABLES where they name the kernel, else TABLES; single CTAs
 
 
 def score_tables(switches: frozenset) -> ScoreTables:
-    """The tables for a call's score switches (score_mods.ScoreMods.switches): ALiBi alone and a
-    mask function alone have their own."""
+    """The tables for a call's score switches (score_mods.ScoreMods.switches): ALiBi alone, a
+    mask function alone and a score function (with or without a mask) have their own."""
     if not switches:
         return ScoreTables.PLAIN
-    return {frozenset({"alibi"}): ScoreTables.ALIBI, frozenset({"masks"}): ScoreTables.MASKS}.get(
-        switches, ScoreTables.MODIFIED
-    )
+    own = {
+        frozenset({"alibi"}): ScoreTables.ALIBI,
+        frozenset({"masks"}): ScoreTables.MASKS,
+        frozenset({"functions"}): ScoreTables.FUNCTIONS,
+        frozenset({"functions", "masks"}): ScoreTables.FUNCTIONS,
+    }
+    return own.get(switches, ScoreTables.MODIFIED)
 
 
 # Tables that replace TABLES[arch][kernel] when any score modifier is on.
@@ -288,7 +298,7 @@ MODIFIED_TABLES = {
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED,
     ("sm_90", BACKWARD_DQ): _SM90_DQ_MODIFIED,
 }
-# Tables that replace those for calls with ALiBi alone, and with a mask function alone.
+# Tables that replace those for calls with ALiBi alone, a mask function alone, a score function.
 ALIBI_TABLES = {
     ("sm_90", FORWARD): _SM90_FORWARD_ALIBI,
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_ALIBI,
@@ -299,6 +309,7 @@ MASK_TABLES = {
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_MASKED,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
 }
+FUNCTION_TABLES = {("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS}
 
 
 @cache
@@ -313,7 +324,8 @@ def candidates(
     forward faulted on a misaligned address with a one-row bias on Hopper
     (perf-notes#forward-cta-clusters). Cached: every launch asks.
     """
-    own = {ScoreTables.ALIBI: ALIBI_TABLES, ScoreTables.MASKS: MASK_TABLES}.get(scores, {})
+    own = {ScoreTables.ALIBI: ALIBI_TABLES, ScoreTables.MASKS: MASK_TABLES, ScoreTables.FUNCTIONS: FUNCTION_TABLES}
+    own = own.get(scores, {})
     if element_size > 2:
         table = WIDE_TABLE[kernel]
     elif (arch, kernel) in own:
@@ -330,7 +342,7 @@ def candidates(
 
 def _all_configs():
     tables = [*(table for kernels in TABLES.values() for table in kernels.values()), *WIDE_TABLE.values()]
-    tables += [*MODIFIED_TABLES.values(), *ALIBI_TABLES.values(), *MASK_TABLES.values()]
+    tables += [*MODIFIED_TABLES.values(), *ALIBI_TABLES.values(), *MASK_TABLES.values(), *FUNCTION_TABLES.values()]
     return [config for table in tables for choices in table.values() for config in choices]
 
 
