@@ -140,10 +140,15 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
 _SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED | {
     128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
 }
+# Its dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
+# there, bwd -8 to -10% (perf-notes#function-dkdv), and clean since it converts integer positions.
+_SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
 _SM90_FUSED_ALIBI = {
     64: [_c(64, 128, num_worker_warps=8)],
     128: [_c(64, 64, num_worker_warps=8), _c(64, 64)],
 }
+# Its grouped form spills a register on 64x128 at D=128 (causal), not on 64x64 at 8 warps.
+_SM90_FUSED_GROUPED_ALIBI = _SM90_FUSED_GROUPED | {128: [_c(64, 64, num_worker_warps=8)]}
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
 # plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
 # 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
@@ -303,6 +308,8 @@ ALIBI_TABLES = {
     ("sm_90", FORWARD): _SM90_FORWARD_ALIBI,
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_ALIBI,
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
+    ("sm_90", BACKWARD_FUSED_GROUPED): _SM90_FUSED_GROUPED_ALIBI,
+    ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,
 }
 MASK_TABLES = {
     ("sm_90", FORWARD): _SM90_FORWARD_MASKED,

@@ -88,10 +88,15 @@ def _alibi_distances(q_tile, kv_tile, scoring, transposed: ConstBool, dtype):
     """|i + Sk - Sq - j| under a score tile, as floats. Positions convert per row and per column,
     not per score (a conversion costs as much as an exp2); differences are exact below 2^24."""
     tiling, lengths = scoring.tiling, scoring.seqlens
-    query_positions = _positions(
-        q_tile * tiling.block_m + (lengths.k - lengths.q), tiling.block_m, not transposed, dtype
-    )
-    return ct.abs(query_positions - _positions(kv_tile * tiling.block_n, tiling.block_n, transposed, dtype))
+    first_query = q_tile * tiling.block_m + (lengths.k - lengths.q)
+    if transposed:
+        # The dK/dV kernel converts integer positions: with the float offsets kept in registers
+        # instead, its 64x64 tiles at two CTAs per SM spilled one.
+        queries = first_query + ct.arange(tiling.block_m, dtype=ct.int32)
+        keys = kv_tile * tiling.block_n + ct.arange(tiling.block_n, dtype=ct.int32)
+        return ct.abs(queries[None, :].astype(dtype) - keys[:, None].astype(dtype))
+    query_positions = _positions(first_query, tiling.block_m, True, dtype)
+    return ct.abs(query_positions - _positions(kv_tile * tiling.block_n, tiling.block_n, False, dtype))
 
 
 @ct.function
