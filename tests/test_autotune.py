@@ -96,7 +96,7 @@ def test_op_choose_config_disabled_takes_first(monkeypatch, tmp_path):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
     candidates = [TileConfig(64, 64), TileConfig(128, 128)]
     cache = autotune.TuneCache(tmp_path / "c.json")
-    cache.put("fake_kernel|shape", candidates[1])
+    cache.put(autotune._tune_key(_FakeLaunch, "shape", candidates), candidates[1])
     assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[0]
 
 
@@ -104,13 +104,27 @@ def test_op_choose_config_uses_cache_without_tuning(monkeypatch, tmp_path):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "0")
     candidates = [TileConfig(64, 64), TileConfig(128, 128)]
     cache = autotune.TuneCache(tmp_path / "c.json")
-    cache.put("fake_kernel|shape", candidates[1])
+    cache.put(autotune._tune_key(_FakeLaunch, "shape", candidates), candidates[1])
 
     def no_search(*args, **kwargs):
         raise AssertionError("a cached shape must not be tuned again")
 
     monkeypatch.setattr(autotune, "_search", no_search)
     assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[1]
+
+
+def test_op_choose_config_tunes_again_among_other_candidates(monkeypatch, tmp_path):
+    """A choice made among other candidates (an older table) is not kept: the shape tunes again,
+    and both choices stay in the cache under their own keys."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "0")
+    old = [TileConfig(64, 64), TileConfig(128, 128)]
+    new = [*old, TileConfig(64, 64, occupancy=2)]
+    cache = autotune.TuneCache(tmp_path / "c.json")
+    cache.put(autotune._tune_key(_FakeLaunch, "shape", old), old[1])
+    monkeypatch.setattr(autotune, "_search", lambda launch, cands, stream, timeout: cands[2])
+    assert autotune.choose_config(_FakeLaunch, new, "shape", cache, stream=None) == new[2]
+    assert autotune.choose_config(_FakeLaunch, list(reversed(old)), "shape", cache, stream=None) == old[1]
+    assert autotune._tune_key(_FakeLaunch, "shape", old) != autotune._tune_key(_FakeLaunch, "shape", new)
 
 
 def test_op_choose_config_tunes_once_and_stores(monkeypatch, tmp_path, capsys):
@@ -128,7 +142,10 @@ def test_op_choose_config_tunes_once_and_stores(monkeypatch, tmp_path, capsys):
     for _ in range(3):
         assert autotune.choose_config(_FakeLaunch, candidates, "shape", cache, stream=None) == candidates[1]
     assert len(calls) == 1
-    assert autotune.TuneCache(tmp_path / "c.json").get("fake_kernel|shape") == candidates[1]
+    assert (
+        autotune.TuneCache(tmp_path / "c.json").get(autotune._tune_key(_FakeLaunch, "shape", candidates))
+        == candidates[1]
+    )
     progress = capsys.readouterr().err.strip().splitlines()
     assert len(progress) == 1 and "tuned fake_kernel" in progress[0]
 
@@ -284,13 +301,14 @@ def test_a_float_tile_size_in_the_file_is_tuned_again(monkeypatch, tmp_path):
     monkeypatch.setenv("TILEGYM_AUTOTUNE_QUIET", "1")
     candidates = [TileConfig(64, 64), TileConfig(128, 128)]
     path = tmp_path / "c.json"
-    _write_json(path, {"fake_kernel|shape": {"block_m": 128.0, "block_n": 128}})
+    key = autotune._tune_key(_FakeLaunch, "shape", candidates)
+    _write_json(path, {key: {"block_m": 128.0, "block_n": 128}})
     searched = []
     monkeypatch.setattr(autotune, "_search", lambda launch, cands, stream, timeout: searched.append(1) or cands[1])
     with pytest.warns(UserWarning, match="skipped 1 entries"):
         chosen = autotune.choose_config(_FakeLaunch, candidates, "shape", autotune.TuneCache(path), None)
     assert searched == [1] and type(chosen.block_m) is int
-    assert json.loads(path.read_text()) == {"fake_kernel|shape": {"block_m": 128, "block_n": 128}}
+    assert json.loads(path.read_text()) == {key: {"block_m": 128, "block_n": 128}}
 
 
 def test_tune_cache_keeps_entries_it_cannot_read(tmp_path):

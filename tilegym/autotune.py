@@ -14,6 +14,7 @@ JSON file and the compiled kernels of kernel_cache live there, and a kernel is c
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -309,12 +310,17 @@ def _known_choice(
     """The default (tuning disabled, a single candidate) or the cached choice; None: tune."""
     if autotune_disabled() or len(candidates) == 1:
         return candidates[0]
-    cached = cache.get(_tune_key(launch, shape_key))
+    cached = cache.get(_tune_key(launch, shape_key, candidates))
     return cached if cached in candidates else None
 
 
-def _tune_key(launch: TunedKernel, shape_key: str) -> str:
-    return f"{launch.name}|{shape_key}"
+def _tune_key(launch: TunedKernel, shape_key: str, candidates: Sequence[TileConfig]) -> str:
+    """The cache key of a choice: the kernel, the shape and the candidates it was chosen among,
+    so that a choice made among other candidates (an older config table) is tuned again rather
+    than kept because it is still one of them."""
+    listed = sorted(json.dumps(config.to_json(), sort_keys=True) for config in candidates)
+    tag = hashlib.sha256("\n".join(listed).encode()).hexdigest()[:12]
+    return f"{launch.name}|{shape_key}|{tag}"
 
 
 def choose_config(
@@ -333,7 +339,7 @@ def choose_config(
     known = _known_choice(launch, candidates, shape_key, cache)
     if known is not None:
         return known
-    tune_key = _tune_key(launch, shape_key)
+    tune_key = _tune_key(launch, shape_key, candidates)
     with _tuning_lock(cache.path, tune_key):
         known = _known_choice(launch, candidates, shape_key, cache)
         if known is not None:
