@@ -932,12 +932,9 @@ def test_op_plain_packed_calls_are_checked_in_full_once(monkeypatch):
     assert len(calls) == before + 2
 
 
-@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out-lse"])
-@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
-def test_op_packed_api_returns_and_differentiates(monkeypatch, return_lse, training):
-    """tile_fmha_functional on a packed batch of CPU tensors, its checks stood in for and its
-    launches recorded: out (and lse) in the packed layout, new tensors; training runs the forward with the
-    LSE and, on backward, the two-kernel backward, whose gradients reach q, k and v."""
+def _recorded_packed_call(monkeypatch):
+    """(q, k, v, the packed arguments) of a packed batch of CPU tensors, the checks stood in for
+    and the launches recorded (_RecordingLauncher.launches)."""
     from tilegym.ops.attention import api
 
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
@@ -946,10 +943,17 @@ def test_op_packed_api_returns_and_differentiates(monkeypatch, return_lse, train
     _RecordingLauncher.launches = []
     q, k, v = (torch.randn(12, heads, 64, dtype=torch.bfloat16, requires_grad=True) for heads in (4, 2, 2))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    result = tile_fmha_functional(
-        q, k, v, None, True, training, return_lse=return_lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7,
-        max_seqlen_k=7,
-    )  # fmt: skip
+    return q, k, v, {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 7, "max_seqlen_k": 7}
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out-lse"])
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_op_packed_api_returns_and_differentiates(monkeypatch, return_lse, training):
+    """tile_fmha_functional on a packed batch of CPU tensors, its checks stood in for and its
+    launches recorded: out (and lse) in the packed layout, new tensors; training runs the forward with the
+    LSE and, on backward, the two-kernel backward, whose gradients reach q, k and v."""
+    q, k, v, packed = _recorded_packed_call(monkeypatch)
+    result = tile_fmha_functional(q, k, v, None, True, training, return_lse=return_lse, **packed)
     out, lse = result if return_lse else (result, None)
     assert out.shape == (12, 4, 64) and out._base is None
     assert lse is None or (lse.shape == (4, 12) and lse._base is None)
@@ -967,16 +971,9 @@ def test_op_packed_api_takes_score_functions(monkeypatch, training):
     """A packed tile_fmha_functional call with a score function takes the same path as without
     one, its launches running the kernels' copies with the function inlined (their keys carry its
     fingerprint) and the two-kernel backward; a learnable aux tensor is refused."""
-    from tilegym.ops.attention import api
     from tilegym.ops.attention import score_functions as sf
 
-    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
-    monkeypatch.setattr(api, "check_packed_inputs", _checked_on_the_cpu)
-    monkeypatch.setattr(launch, "compile_backward_ahead", lambda *args, **kwargs: None)
-    _RecordingLauncher.launches = []
-    q, k, v = (torch.randn(12, heads, 64, dtype=torch.bfloat16, requires_grad=True) for heads in (4, 2, 2))
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    packed = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 7, "max_seqlen_k": 7}
+    q, k, v, packed = _recorded_packed_call(monkeypatch)
     out = tile_fmha_functional(q, k, v, None, True, training, **packed, **sf.softcap(4.0))
     assert out.shape == (12, 4, 64) and (out.grad_fn is not None) == training
     if training:

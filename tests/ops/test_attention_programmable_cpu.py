@@ -125,15 +125,15 @@ def test_create_block_mask_checks():
 
 
 def test_create_block_mask_for_packed_batches_checks_the_lengths():
-    """B counts the sequences; both cumulative lengths, int32 [N + 1] on the mask's device."""
+    """B counts the sequences; both cumulative lengths, checked as a packed call's are."""
     causal = lambda b, h, i, j, a: i >= j  # noqa: E731
     cu = torch.tensor([0, 5, 9, 9], dtype=torch.int32)
     mask = block_mask.create_block_mask(causal, None, 2, 8, 8, device="cpu", cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert mask.shape == (3, 2, 8, 8) and mask.cu_seqlens.q is cu
     bad = {
-        "only-q": ({"cu_seqlens_q": cu}, TypeError, "cu_seqlens_k must be a tensor"),
-        "int64": ({"cu_seqlens_q": cu.long(), "cu_seqlens_k": cu}, ValueError, "cu_seqlens_q must be int32"),
-        "2-d": ({"cu_seqlens_q": cu, "cu_seqlens_k": cu[None]}, ValueError, "cu_seqlens_k must be int32"),
+        "only-q": ({"cu_seqlens_q": cu}, TypeError, "cu_seqlens_k must be a torch.Tensor"),
+        "int64": ({"cu_seqlens_q": cu.long(), "cu_seqlens_k": cu}, TypeError, "cu_seqlens_q must be torch.int32"),
+        "2-d": ({"cu_seqlens_q": cu, "cu_seqlens_k": cu[None]}, ValueError, "cu_seqlens_k must be 1-D"),
         "lengths": ({"cu_seqlens_q": cu, "cu_seqlens_k": cu[:3]}, ValueError, "one length"),
     }
     for given, error, message in bad.values():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tilegym.ops.attention import programmable
-from tilegym.ops.attention.packing import CuSeqlens
+from tilegym.ops.attention.packing import CuSeqlens, check_cu_seqlens
 from tilegym.ops.attention.programmable import UserFunctions
 
 # Tile kinds, as the classifying kernel writes them (kernels/block_mask.py).
@@ -164,18 +164,12 @@ def create_block_mask(
 
 
 def _packed_lengths(cu_seqlens_q, cu_seqlens_k, batch, probe) -> CuSeqlens | None:
-    """create_block_mask's cumulative lengths, checked: both or neither, int32 [N + 1] on the
-    mask's device, N matching B where B is given."""
+    """create_block_mask's cumulative lengths, checked as a packed call's are (packing.py), both
+    or neither, N matching B where B is given."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return None
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor with cu_seqlens_q and cu_seqlens_k both given, got {cu!r}")
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != probe.device:
-            raise ValueError(
-                f"{name} must be int32 [sequences + 1] on {probe.device}, got {cu.dtype} {list(cu.shape)} "
-                f"on {cu.device}"
-            )
+        check_cu_seqlens(name, cu, probe)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have one length (sequences + 1)")
     if batch is not None and batch != cu_seqlens_q.numel() - 1:

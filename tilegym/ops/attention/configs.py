@@ -282,18 +282,21 @@ class ScoreTables(Enum):
     MODIFIED = "modified"  # MODIFIED_TABLES where they name the kernel, else TABLES; single CTAs
 
 
+# The switch sets with tables of their own; any other modified set takes MODIFIED's.
+_OWN_TABLES = {
+    frozenset({"alibi"}): ScoreTables.ALIBI,
+    frozenset({"masks"}): ScoreTables.MASKS,
+    frozenset({"functions"}): ScoreTables.FUNCTIONS,
+    frozenset({"functions", "masks"}): ScoreTables.FUNCTIONS,
+}
+
+
 def score_tables(switches: frozenset) -> ScoreTables:
     """The tables for a call's score switches (score_mods.ScoreMods.switches): ALiBi alone, a
     mask function alone and a score function (with or without a mask) have their own."""
     if not switches:
         return ScoreTables.PLAIN
-    own = {
-        frozenset({"alibi"}): ScoreTables.ALIBI,
-        frozenset({"masks"}): ScoreTables.MASKS,
-        frozenset({"functions"}): ScoreTables.FUNCTIONS,
-        frozenset({"functions", "masks"}): ScoreTables.FUNCTIONS,
-    }
-    return own.get(switches, ScoreTables.MODIFIED)
+    return _OWN_TABLES.get(switches, ScoreTables.MODIFIED)
 
 
 # Tables that replace TABLES[arch][kernel] when any score modifier is on.
@@ -317,6 +320,12 @@ MASK_TABLES = {
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
 }
 FUNCTION_TABLES = {("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS}
+SCORE_TABLES = {
+    ScoreTables.MODIFIED: MODIFIED_TABLES,
+    ScoreTables.ALIBI: ALIBI_TABLES,
+    ScoreTables.MASKS: MASK_TABLES,
+    ScoreTables.FUNCTIONS: FUNCTION_TABLES,
+}
 
 
 @cache
@@ -331,25 +340,26 @@ def candidates(
     forward faulted on a misaligned address with a one-row bias on Hopper
     (perf-notes#forward-cta-clusters). Cached: every launch asks.
     """
-    own = {ScoreTables.ALIBI: ALIBI_TABLES, ScoreTables.MASKS: MASK_TABLES, ScoreTables.FUNCTIONS: FUNCTION_TABLES}
-    own = own.get(scores, {})
+    key = (arch, kernel)
+    own = SCORE_TABLES.get(scores, {})
     if element_size > 2:
         table = WIDE_TABLE[kernel]
-    elif (arch, kernel) in own:
-        table = own[arch, kernel]
-    elif scores != ScoreTables.PLAIN and (arch, kernel) in MODIFIED_TABLES:
-        table = MODIFIED_TABLES[arch, kernel]
+    elif key in own:
+        table = own[key]
+    elif scores != ScoreTables.PLAIN and key in MODIFIED_TABLES:
+        table = MODIFIED_TABLES[key]
     else:
         table = TABLES[arch][kernel]
     choices = table.get(head_dim_tile(head_dim), ())  # empty only for the fused backward
-    if scores != ScoreTables.PLAIN and table is not own.get((arch, kernel)):
+    # Clusters only from a family's own table (MODIFIED_TABLES hold none: a CPU test says so).
+    if scores != ScoreTables.PLAIN and table is not own.get(key):
         choices = [config for config in choices if (config.num_ctas or 1) == 1]
     return tuple(choices)
 
 
 def _all_configs():
     tables = [*(table for kernels in TABLES.values() for table in kernels.values()), *WIDE_TABLE.values()]
-    tables += [*MODIFIED_TABLES.values(), *ALIBI_TABLES.values(), *MASK_TABLES.values(), *FUNCTION_TABLES.values()]
+    tables += [table for family in SCORE_TABLES.values() for table in family.values()]
     return [config for table in tables for choices in table.values() for config in choices]
 
 

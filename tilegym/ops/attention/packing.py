@@ -127,7 +127,7 @@ def _check_in_full(
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same total and heads, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check_cu_seqlens(name, cu, q)
+        check_cu_seqlens(name, cu, q)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have one length (sequences + 1), got {cu_seqlens_q.numel()} "
@@ -158,7 +158,8 @@ def _check_in_full(
     return problem, dataclasses.replace(mod_tensors, slopes=slopes), CuSeqlens(cu_seqlens_q, cu_seqlens_k)
 
 
-def _check_cu_seqlens(name: str, cu, q: torch.Tensor) -> None:
+def check_cu_seqlens(name: str, cu, q: torch.Tensor) -> None:
+    """A cumulative-length tensor: int32, 1-D, contiguous, on q's device."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:

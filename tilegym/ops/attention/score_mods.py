@@ -71,9 +71,8 @@ class ScoreMods:
     @property
     def keeps_raw_scores(self) -> bool:
         """The forward keeps raw products q.k (ALiBi in their units) and scales inside exp2, which
-        needs a positive scale: plain attention, a window, ALiBi (kernels/modifiers.py)."""
-        scored = self.user is not None and self.user.score_mod is not None
-        return self.bias_mode == BIAS_NONE and not self.softcap and not scored
+        needs a positive scale: no bias, softcap or score function (kernels/modifiers.py)."""
+        return self.switches.isdisjoint({"bias_mode", "capped", "functions"})
 
     def key(self) -> str:
         """Suffix of the tuning key: empty for plain attention."""
