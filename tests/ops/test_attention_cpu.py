@@ -970,7 +970,7 @@ def test_op_packed_api_returns_and_differentiates(monkeypatch, return_lse, train
 def test_op_packed_api_takes_score_functions(monkeypatch, training):
     """A packed tile_fmha_functional call with a score function takes the same path as without
     one, its launches running the kernels' copies with the function inlined (their keys carry its
-    fingerprint) and the two-kernel backward; a learnable aux tensor is refused."""
+    fingerprint) and the two-kernel backward; a learnable aux tensor gets its gradient."""
     from tilegym.ops.attention import score_functions as sf
 
     q, k, v, packed = _recorded_packed_call(monkeypatch)
@@ -984,9 +984,11 @@ def test_op_packed_api_takes_score_functions(monkeypatch, training):
     assert launched == [forward] + ([configs.BACKWARD_DQ, configs.BACKWARD_DKDV] if training else [])
     for name, kernel, *_ in _RecordingLauncher.launches:
         assert kernel is not VARIANTS[name].kernel, f"{name}: the plain kernel, not a copy with the function"
-    table = torch.randn(4, 9, requires_grad=True)
-    with pytest.raises(ValueError, match="aux tensors that require grad"):
-        tile_fmha_functional(q, k, v, None, True, True, **packed, **sf.relative_position_bias(table, 4))
+    if training:
+        table = torch.randn(4, 9, requires_grad=True)
+        out = tile_fmha_functional(q, k, v, None, True, True, **packed, **sf.relative_position_bias(table, 4))
+        out.float().sum().backward()
+        assert table.grad is not None and table.grad.shape == table.shape and table.grad.dtype == table.dtype
 
 
 def _checked_on_the_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal, *mods):

@@ -349,13 +349,11 @@ def test_op_attention_programmable_bad_arguments():
         tile_fmha(q, k, v, block_mask=mask)
     with pytest.raises(ValueError, match="either block_mask or mask_mod"):
         tile_fmha(q, k, v, block_mask=mask, mask_mod=docs["mask_mod"])
-    # Packed batches take score functions and masks (test_attention_varlen), not aux gradients
-    # yet; a block mask serves only the kind of batch it was made for.
+    # Packed batches take score functions, aux gradients and masks (test_attention_varlen); a
+    # block mask serves only the kind of batch it was made for.
     cu = torch.tensor([0, 77], dtype=torch.int32, device="cuda")
     packed = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 77, "max_seqlen_k": 77}
     rows = [t[0].transpose(0, 1) for t in (q, k, v)]
-    with pytest.raises(ValueError, match="aux tensors that require grad"):
-        tile_fmha_functional(*rows, **packed, **relative)
     dense_mask = create_block_mask(docs["mask_mod"], None, None, 77, 77, mask_aux=docs["mask_aux"])
     with pytest.raises(ValueError, match="made for dense batches"):
         tile_fmha_functional(*rows, **packed, block_mask=dense_mask)

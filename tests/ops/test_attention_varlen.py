@@ -107,14 +107,17 @@ def _grads(outputs, upstream, inputs) -> tuple:
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found, strict=True))
 
 
-def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_dtype, d_lse=None, per_sequence=None):
+def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_dtype, d_lse=None, per_sequence=None,
+                     learnable=()):  # fmt: skip
     """(out [total_q, Hq, Dv], lse [Hq, total_q], grads) of attention_reference applied to each
     sequence alone, in compute_dtype; grads are dq, dk, dv, then dsinks when kwargs' sinks
     require grad. kwargs are tile_fmha_varlen's keyword arguments: an [N, Hq] alibi_slopes
     gives each sequence its row, sinks are shared by all (their gradient sums over sequences).
     Rows after the last sequence get out 0 and LSE -inf, hence no gradient. per_sequence:
     (sequence, query length, key length) -> more keyword arguments of attention_reference for that
-    sequence (the meaning of a score function, as a bias).
+    sequence (the meaning of a score function, as a bias); with learnable tensors (a score
+    function's aux that takes a gradient), per_sequence also gets their copies in compute_dtype,
+    whose gradients follow dq, dk, dv (and dsinks).
 
     The packed contract is "each sequence exactly as the dense call on its slice", so this is
     the reference by definition, and it is independent of how the kernels clamp and index."""
@@ -127,6 +130,8 @@ def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_d
             leaves.append(ref_kwargs["sinks"])
     slopes = kwargs.get("alibi_slopes")
     q, k, v = leaves[:3]
+    tables = [t.detach().to(compute_dtype).requires_grad_() for t in learnable]
+    leaves += tables
     starts_q, starts_k = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist()
     outs, lses = [], []
     for s in range(batch.sequences):
@@ -134,7 +139,7 @@ def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_d
         if slopes is not None and slopes.dim() == 2:
             ref_kwargs["alibi_slopes"] = slopes[s]
         if per_sequence is not None:
-            ref_kwargs |= per_sequence(s, rows_q.stop - rows_q.start, rows_k.stop - rows_k.start)
+            ref_kwargs |= per_sequence(s, rows_q.stop - rows_q.start, rows_k.stop - rows_k.start, *tables)
         out, lse = attention_reference(
             _dense(q[rows_q]), _dense(k[rows_k]), _dense(v[rows_k]), is_causal=causal, compute_dtype=compute_dtype,
             **ref_kwargs,
@@ -190,12 +195,12 @@ def _sdpa_run(batch: Packed, d_out, causal: bool, scaling):
     return out.detach(), _grads([out], [d_out], leaves)
 
 
-def yardstick(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None, per_sequence=None):
+def yardstick(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None, per_sequence=None, learnable=()):
     """(out, grads) whose errors against float64 bound ours: SDPA for plain calls, else the
     reference in the inputs' dtype."""
     if set(kwargs) <= {"scaling"} and d_lse is None and per_sequence is None:
         return sdpa_baseline(batch, d_out, causal, kwargs.get("scaling"))
-    out, _, grads = varlen_reference(batch, d_out, causal, kwargs, batch.q.dtype, d_lse, per_sequence)
+    out, _, grads = varlen_reference(batch, d_out, causal, kwargs, batch.q.dtype, d_lse, per_sequence, learnable)
     return out, grads
 
 
@@ -212,15 +217,16 @@ def poison_cached_memory():
     del small, large
 
 
-def run_varlen(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None, functions=None):
+def run_varlen(batch: Packed, d_out, causal: bool, kwargs: dict, d_lse=None, functions=None, learnable=()):
     """(out, lse, grads) of tile_fmha_varlen as varlen_reference's, each allocated from poisoned
     memory. With d_lse, one call with return_lse=True and gradients through both outputs;
     without, the common call (return_lse=False) for out and gradients, and the LSE from a
     second call without autograd. functions: score function arguments (score_mod, ...), which
-    take tile_fmha_functional's packed form instead."""
+    take tile_fmha_functional's packed form instead; learnable: their aux tensors that take a
+    gradient, after dq, dk, dv (and dsinks)."""
     leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
     sinks = kwargs.get("sinks")
-    inputs = leaves + ([sinks] if sinks is not None and sinks.requires_grad else [])
+    inputs = leaves + ([sinks] if sinks is not None and sinks.requires_grad else []) + list(learnable)
 
     def attention(*tensors, **more):
         if functions is None:
@@ -273,19 +279,21 @@ def assert_rows_outside_sequences_are_empty(batch: Packed, out, lse, grads):
 
 
 def check(batch: Packed, causal: bool, kwargs: dict | None = None, lse_grad: bool = False, functions=None,
-          per_sequence=None):  # fmt: skip
-    """tile_fmha_varlen's output, LSE and every gradient (dq, dk, dv, and dsinks when sinks
-    require grad) against the per-sequence float64 reference, within the yardstick's error;
-    d_lse flows into the LSE when lse_grad. functions: score function arguments, whose meaning
-    the reference takes from per_sequence (see varlen_reference)."""
+          per_sequence=None, learnable=()):  # fmt: skip
+    """tile_fmha_varlen's output, LSE and every gradient (dq, dk, dv, dsinks when sinks require
+    grad, then the learnable aux tensors') against the per-sequence float64 reference, within the
+    yardstick's error; d_lse flows into the LSE when lse_grad. functions: score function
+    arguments, whose meaning the reference takes from per_sequence (see varlen_reference)."""
     kwargs = dict(kwargs or {})
     dtype = batch.q.dtype
     total_q, q_heads = batch.q.shape[:2]
     d_out = torch.randn(total_q, q_heads, batch.v.shape[2], dtype=dtype, device=DEVICE)
     d_lse = torch.randn(q_heads, total_q, dtype=batch.stat_dtype, device=DEVICE) if lse_grad else None
-    ref_out, ref_lse, ref_grads = varlen_reference(batch, d_out, causal, kwargs, torch.float64, d_lse, per_sequence)
-    base_out, base_grads = yardstick(batch, d_out, causal, kwargs, d_lse, per_sequence)
-    out, lse, grads = run_varlen(batch, d_out, causal, kwargs, d_lse, functions)
+    ref_out, ref_lse, ref_grads = varlen_reference(
+        batch, d_out, causal, kwargs, torch.float64, d_lse, per_sequence, learnable
+    )  # fmt: skip
+    base_out, base_grads = yardstick(batch, d_out, causal, kwargs, d_lse, per_sequence, learnable)
+    out, lse, grads = run_varlen(batch, d_out, causal, kwargs, d_lse, functions, learnable)
 
     assert (out.shape, out.dtype) == ((total_q, q_heads, batch.v.shape[2]), dtype)
     assert (lse.shape, lse.dtype) == ((q_heads, total_q), batch.stat_dtype)
@@ -295,11 +303,13 @@ def check(batch: Packed, causal: bool, kwargs: dict | None = None, lse_grad: boo
         sees_none = torch.isinf(ref_lse)  # [Hq, total_q]
         no_key_rows = out.transpose(0, 1)[sees_none]
         assert torch.equal(no_key_rows, torch.zeros_like(no_key_rows)), "rows that see no key output zeros"
-    if len(grads) == 4:
+    sinks_grad = kwargs.get("sinks") is not None and kwargs["sinks"].requires_grad
+    if sinks_grad:
         assert grads[3].dtype == kwargs["sinks"].dtype, "dsinks comes back in the sinks' dtype"
         # Rounded to that dtype (float32 sinks of float64 inputs), as the yardstick is too.
-        base_grads = (*base_grads[:3], base_grads[3].to(grads[3].dtype))
-    names = ("dq", "dk", "dv", "dsinks")[: len(grads)]
+        base_grads = (*base_grads[:3], base_grads[3].to(grads[3].dtype), *base_grads[4:])
+    names = ("dq", "dk", "dv", "dsinks")[: 4 if sinks_grad else 3] + tuple(f"d_aux{i}" for i in range(len(learnable)))
+    assert len(grads) == len(names)
     for name, ours, base, ref in zip(names, grads, base_grads, ref_grads, strict=True):
         assert ours.shape == ref.shape, name
         assert_close_to_reference(name, ours, base, ref, dtype)
@@ -670,15 +680,16 @@ def test_op_varlen_cuda_graph_replays_new_lengths(causal, monkeypatch):
 _REACH = 16
 
 
+def _relative_bias(table, seqlen_q, seqlen_k):
+    """What relative_position_bias means on one sequence, as attention_reference's arguments."""
+    rows = torch.arange(seqlen_q, device=DEVICE)[:, None]
+    buckets = (torch.arange(seqlen_k, device=DEVICE)[None, :] - rows).clamp(-_REACH, _REACH) + _REACH
+    return {"attn_bias": table[:, buckets][None]}
+
+
 def _relative(q_heads):
-    table = torch.randn(q_heads, 2 * _REACH + 1, device=DEVICE) * 0.5  # frozen: no aux gradient packed
-
-    def bias(sequence, seqlen_q, seqlen_k):
-        rows = torch.arange(seqlen_q, device=DEVICE)[:, None]
-        buckets = (torch.arange(seqlen_k, device=DEVICE)[None, :] - rows).clamp(-_REACH, _REACH) + _REACH
-        return {"attn_bias": table.double()[:, buckets][None]}
-
-    return sf.relative_position_bias(table, _REACH), {}, bias
+    table = torch.randn(q_heads, 2 * _REACH + 1, device=DEVICE) * 0.5  # frozen (learned: test_op_varlen_aux_gradient)
+    return sf.relative_position_bias(table, _REACH), {}, lambda s, lq, lk: _relative_bias(table.double(), lq, lk)
 
 
 FUNCTIONS = {
@@ -720,6 +731,55 @@ def test_op_varlen_score_function_sees_the_sequence():
 
     functions = {"score_mod": by_sequence, "score_mod_grad": by_sequence_grad}
     check(batch, True, functions=functions, per_sequence=bias)
+
+
+# Aux tensors that take a gradient: aux_grad runs in the dK/dV kernel, b the sequence. name:
+# (q_heads -> (the learnable tensor, our arguments, what they mean on one sequence given the
+# tensor's reference copy)).
+def _learned_relative(q_heads):
+    table = (torch.randn(q_heads, 2 * _REACH + 1, device=DEVICE) * 0.5).requires_grad_()
+    return table, sf.relative_position_bias(table, _REACH), lambda s, lq, lk, ref: _relative_bias(ref, lq, lk)
+
+
+def _sequence_head_bias(score, b, h, q_idx, kv_idx, aux):
+    return score + ct.astype(ct.gather(aux[0], (b, h)), score.dtype)
+
+
+def _sequence_head_bias_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    ct.atomic_add(aux_grads[0], (b, h), ct.sum(grad))
+
+
+def _learned_per_sequence(q_heads, sequences):
+    """A bias per (sequence, head): its gradient is the sum of each sequence's own pairs."""
+    bias = torch.randn(sequences, q_heads, device=DEVICE).requires_grad_()
+    functions = {"score_mod": _sequence_head_bias, "score_mod_grad": sf.additive_grad, "aux": (bias,),
+                 "aux_grad": _sequence_head_bias_grad}  # fmt: skip
+
+    def meaning(sequence, seqlen_q, seqlen_k, ref):
+        return {"attn_bias": ref[sequence][None, :, None, None].expand(1, q_heads, seqlen_q, seqlen_k)}
+
+    return bias, functions, meaning
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", ["relative-table", "per-sequence"])
+def test_op_varlen_aux_gradient(name, head_dim, causal):
+    """Empty sequences, a single row, Lq != Lk, GQA, spare rows and one sequence long enough for
+    tiles beyond the table's reach; the aux tensor's gradient against the per-sequence reference's."""
+    batch = pack(MIXED_Q + [90, 3, 700], MIXED_K + [40, 0, 650], 4, 2, head_dim, spare_q=5, spare_k=3)
+    if name == "relative-table":
+        learnable, functions, meaning = _learned_relative(4)
+    else:
+        learnable, functions, meaning = _learned_per_sequence(4, batch.sequences)
+    check(batch, causal, lse_grad=True, functions=functions, per_sequence=meaning, learnable=[learnable])
+
+
+def test_op_varlen_aux_gradient_fp16_sinks():
+    batch = pack(MIXED_Q, MIXED_K, 4, 4, 64, torch.float16, spare_q=2)
+    learnable, functions, meaning = _learned_relative(4)
+    check(batch, True, {"sinks": _sinks(4)}, lse_grad=True, functions=functions, per_sequence=meaning,
+          learnable=[learnable])  # fmt: skip
 
 
 # Masks see each sequence alone too (b the sequence, positions within it): given as mask_mod,

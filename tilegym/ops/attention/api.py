@@ -382,8 +382,6 @@ class _Programs:
     def check(self, q, problem, mod_tensors, training: bool, cu_seqlens=None):
         """(problem, mod_tensors) with the caller's functions and tensors, checked; cu_seqlens: a
         packed call's CuSeqlens."""
-        if problem.packing is not None and training and any(t.requires_grad for t in self.aux_tensors()):
-            raise ValueError("aux tensors that require grad (aux_grad) are not supported with a packed batch yet")
         mask = check_block_mask(
             self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
             problem.seqlen_k, cu_seqlens,
@@ -480,7 +478,7 @@ def _packed_eager(
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
         views = heads_major(q), heads_major(k), heads_major(v)
         launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
-        return PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens)
+        return PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens, *mod_tensors.aux)
     return launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
 
 

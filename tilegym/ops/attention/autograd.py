@@ -40,14 +40,7 @@ class AttentionFunction(torch.autograd.Function):
             bias_grad=ctx.needs_input_grad[3], d_lse=d_lse, sinks_grad=ctx.needs_input_grad[4],
         )  # fmt: skip
         d_sinks = None if grads.d_sinks is None else grads.d_sinks.to(ctx.sinks_dtype)
-        d_aux = [None] * len(ctx.aux_dtypes)
-        if grads.d_aux is not None:
-            wanted = ctx.needs_input_grad[7:]
-            d_aux = [
-                d.to(dtype) if want else None
-                for d, dtype, want in zip(grads.d_aux, ctx.aux_dtypes, wanted, strict=True)
-            ]
-        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None, *d_aux
+        return grads.dq, grads.dk, grads.dv, grads.d_bias, d_sinks, None, None, *_aux_grads(ctx, grads, 7)
 
 
 class PackedAttentionFunction(torch.autograd.Function):
@@ -55,13 +48,14 @@ class PackedAttentionFunction(torch.autograd.Function):
     [Hq, total_q], all new tensors (no views, so callers may change them in place)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, problem: AttentionProblem, mod_tensors: ModTensors, cu_seqlens: CuSeqlens):
+    def forward(ctx, q, k, v, sinks, problem: AttentionProblem, mod_tensors: ModTensors, cu_seqlens: CuSeqlens, *aux):
         out, lse = launch.forward_packed(q, k, v, problem, True, mod_tensors, cu_seqlens)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         ctx.mod_tensors = mod_tensors
         ctx.cu_seqlens = cu_seqlens
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.aux_dtypes = [t.dtype for t in aux]
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -74,4 +68,13 @@ class PackedAttentionFunction(torch.autograd.Function):
             d_out, q, k, v, out, lse, ctx.problem, ctx.mod_tensors, ctx.cu_seqlens, d_lse, ctx.needs_input_grad[3]
         )  # fmt: skip
         d_sinks = None if grads.d_sinks is None else grads.d_sinks.to(ctx.sinks_dtype)
-        return grads.dq, grads.dk, grads.dv, d_sinks, None, None, None
+        return grads.dq, grads.dk, grads.dv, d_sinks, None, None, None, *_aux_grads(ctx, grads, 7)
+
+
+def _aux_grads(ctx, grads: launch.Gradients, first: int) -> list:
+    """The aux tensors' gradients in their dtypes, None for those that want none; first: the
+    index of the first aux tensor among the inputs of forward."""
+    if grads.d_aux is None:
+        return [None] * len(ctx.aux_dtypes)
+    wanted = ctx.needs_input_grad[first:]
+    return [d.to(dtype) if want else None for d, dtype, want in zip(grads.d_aux, ctx.aux_dtypes, wanted, strict=True)]

@@ -20,7 +20,7 @@ from tilegym.ops.attention.kernels.head import (
     store_head,
 )
 from tilegym.ops.attention.kernels.modifiers import head_mods, raw_gradient, scores, softcap_values
-from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
+from tilegym.ops.attention.kernels.packed import bulk_once, has_no_rows, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
 from tilegym.ops.attention.kernels.state import (
@@ -363,6 +363,11 @@ def attention_backward_dkdv_kernel(
         if past_the_end(kv_tile * block_n, k_rows):
             return
         q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
+        if has_no_rows(q_rows):
+            # No query sees these keys: their gradients stay the zeros they were allocated as.
+            # Without this return, a program with an aux gradient hung on the queries' empty
+            # slice (perf-notes#packed-aux-gradients).
+            return
         Q, dOut, LseBase2, Delta = (
             rows_of(Q, q_rows),
             rows_of(dOut, q_rows),

@@ -54,6 +54,12 @@ def past_the_end(tile_start, rows):
 
 
 @ct.function
+def has_no_rows(rows):
+    """Whether a sequence has no rows (of queries, or of keys)."""
+    return rows.end <= rows.start
+
+
+@ct.function
 def rows_of(array, rows):
     """array's rows of one sequence: a view, nothing copied."""
     return array.slice(2, rows.start, rows.end)
