@@ -1001,3 +1001,115 @@ def _checked_on_the_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         1 / math.sqrt(q.shape[2]), is_causal, packing=Packing(q.shape[0], k.shape[0]),
     )  # fmt: skip
     return problem, score_mods.NO_TENSORS, CuSeqlens(cu_seqlens_q, cu_seqlens_k)
+
+
+# ---- score functions under torch.compile ------------------------------------------------------
+
+
+def _checked_dense_on_the_cpu(q, k, v, scaling, is_causal, *mods, **more):
+    """problem.check_inputs of CPU tensors without modifiers: the problem a CUDA call would get."""
+    batch, q_heads, seqlen_q, head_dim = q.shape
+    problem = problem_mod.AttentionProblem(
+        batch, q_heads, k.shape[1], seqlen_q, k.shape[2], head_dim, q.dtype, 1 / math.sqrt(head_dim), is_causal
+    )  # fmt: skip
+    return problem, score_mods.NO_TENSORS
+
+
+def _relative_to_each_head(score, b, h, q_idx, kv_idx, aux):
+    return score + ct_gather_stand_in(aux, h)
+
+
+def ct_gather_stand_in(aux, h):  # never runs on the CPU: the kernels are recorded, not launched
+    return aux[0][h]
+
+
+def _relative_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    aux_grads[0][h] += grad
+
+
+def test_op_score_functions_stay_in_one_compiled_graph(monkeypatch):
+    """torch.compile(fullgraph=True) of a training step with score functions: the operators take
+    them by key, the forward and backward launch the kernels' copies with them inlined, and a
+    learnable aux tensor gets its gradient; another closure of the same code (another softcap)
+    traces again and runs its own kernels, as does a module-level function."""
+    from tilegym.ops.attention import custom_ops
+    from tilegym.ops.attention import score_functions as sf
+
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    monkeypatch.setattr(launch, "compile_backward_ahead", lambda *args, **kwargs: None)
+    monkeypatch.setattr(custom_ops, "check_inputs", _checked_dense_on_the_cpu)
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in _cpu_inputs())
+
+    def step(q, k, v, functions):
+        return tile_fmha_with_backward(q, k, v, is_causal=True, **functions).float().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    kernels_of = {}
+    table = torch.randn(4, requires_grad=True)
+    learned = {"score_mod": _relative_to_each_head, "score_mod_grad": sf.additive_grad, "aux": (table,),
+               "aux_grad": _relative_grad}  # fmt: skip
+    for name, functions in (("cap3", sf.softcap(3.0)), ("cap4", sf.softcap(4.0)), ("learned", learned)):
+        _RecordingLauncher.launches = []
+        compiled(q, k, v, functions).backward()
+        launched = {launch_name: kernel for launch_name, kernel, *_ in _RecordingLauncher.launches}
+        assert list(launched) == [configs.FORWARD_LSE, configs.BACKWARD_DQ, configs.BACKWARD_DKDV], name
+        for launch_name, kernel in launched.items():
+            assert kernel is not VARIANTS[launch_name].kernel, f"{name} {launch_name}: not the copy with functions"
+        kernels_of[name] = launched[configs.BACKWARD_DKDV]
+    assert len(set(kernels_of.values())) == 3, "each set of functions runs kernels of its own"
+    assert table.grad is not None and table.grad.shape == table.shape
+
+
+def test_op_packed_score_functions_stay_in_one_compiled_graph(monkeypatch):
+    """The same for a packed batch: the packed operators take the functions' key, and a learnable
+    aux tensor gets its gradient."""
+    from tilegym.ops.attention import custom_ops
+    from tilegym.ops.attention import score_functions as sf
+
+    q, k, v, packed = _recorded_packed_call(monkeypatch)
+    monkeypatch.setattr(custom_ops, "check_packed_inputs", _checked_on_the_cpu)
+    torch._dynamo.reset()
+    table = torch.randn(4, 9, requires_grad=True)
+
+    def step(q, k, v, relative):
+        return tile_fmha_functional(q, k, v, None, True, True, **packed, **relative).float().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v, sf.relative_position_bias(table, 4)).backward()
+    launched = [(name, kernel) for name, kernel, *_ in _RecordingLauncher.launches]
+    assert [name for name, _ in launched] == [configs.FORWARD_LSE, configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
+    assert all(kernel is not VARIANTS[name].kernel for name, kernel in launched)
+    assert table.grad is not None and table.grad.shape == table.shape
+    assert [tuple(t.grad.shape) for t in (q, k, v)] == [(12, 4, 64), (12, 2, 64), (12, 2, 64)]
+
+
+def test_op_closures_run_at_a_graph_break_under_torch_compile():
+    """torch.compile's guards tell functions apart by their code object alone, so only functions
+    that close over nothing pass through the operators by key (the ready-made ones are such
+    copies, a code object each); a closure, or a block mask, takes the eager call at a graph
+    break, where the functions are read afresh."""
+    from tilegym.ops.attention import api
+    from tilegym.ops.attention import score_functions as sf
+    from tilegym.ops.attention.caller_functions import CallerFunctions
+
+    def calls(functions, block_mask=None):
+        return CallerFunctions.of(
+            functions.get("score_mod"), functions.get("score_mod_grad"), None, functions.get("aux_grad"),
+            functions.get("mask_mod"), None, block_mask,
+        )  # fmt: skip
+
+    def closure_over(cap):
+        def capped(score, b, h, q_idx, kv_idx, aux):
+            return score * cap
+
+        return {"score_mod": capped, "score_mod_grad": sf.additive_grad}
+
+    assert api._operator_takes(None)
+    for functions in (sf.softcap(3.0), sf.relative_position_bias(torch.zeros(2, 9), 4), sf.prefix_lm(None),
+                      sf.sliding_window_with_globals(8, 2), {"score_mod": _relative_to_each_head}):  # fmt: skip
+        assert api._operator_takes(calls(functions)), functions
+    assert not api._operator_takes(calls(closure_over(3.0)))
+    assert not api._operator_takes(calls(sf.softcap(3.0), block_mask=object()))
+    first, second = sf.softcap(3.0)["score_mod"], sf.softcap(5.0)["score_mod"]
+    assert first.__code__ is not second.__code__, "copies of one template keep code objects of their own"

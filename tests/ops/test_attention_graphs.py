@@ -131,12 +131,12 @@ def test_op_attention_custom_ops_pass_opcheck():
     q, k, v = make_inputs(Case("opcheck", 1, 4, 2, 70, 90, 64), torch.bfloat16, requires_grad=True)
     bias = torch.randn(1, 4, 70, 90, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     sinks = torch.randn(4, device="cuda", requires_grad=True)
-    forward_args = (q, k, v, bias, None, sinks, 0.3, True, [40, 0], 25.0, True)
+    forward_args = (q, k, v, bias, None, sinks, 0.3, True, [40, 0], 25.0, True, "", [], [])
     torch.library.opcheck(custom_ops.attention, forward_args)
     out, lse = custom_ops.attention(*[t.detach() if isinstance(t, torch.Tensor) else t for t in forward_args])
     d_out, d_lse = torch.randn_like(out), torch.randn_like(lse)
     tensors = (q.detach(), k.detach(), v.detach(), out, lse, bias.detach(), None, sinks.detach())
-    backward_args = (d_out, d_lse, *tensors, 0.3, True, [40, 0], 25.0, True, True)
+    backward_args = (d_out, d_lse, *tensors, 0.3, True, [40, 0], 25.0, True, True, "", [], [])
     torch.library.opcheck(custom_ops.attention_backward, backward_args)
 
 

@@ -7,6 +7,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tilegym  # noqa: F401  (registers the operators)
 
+# The functions key and tensors of a call without score or mask functions.
+_NO_FUNCTIONS = ("", [], [])
+
 
 def _fake(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="cuda")
@@ -16,10 +19,14 @@ def _fake(*shape, dtype=torch.bfloat16):
 def test_attention_operator_shapes(dtype):
     with FakeTensorMode():
         q, kv = _fake(2, 8, 300, 64, dtype=dtype), _fake(2, 2, 301, 64, dtype=dtype)
-        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, None, True, None, None, True)
+        out, lse = torch.ops.tilegym.attention(
+            q, kv, kv, None, None, None, None, True, None, None, True, *_NO_FUNCTIONS
+        )
         assert (out.shape, out.dtype, out.is_contiguous()) == (q.shape, dtype, True)
         assert (lse.shape, lse.dtype) == ((2, 8, 300), torch.float64 if dtype == torch.float64 else torch.float32)
-        out, lse = torch.ops.tilegym.attention(q, kv, kv, None, None, None, None, True, None, None, False)
+        out, lse = torch.ops.tilegym.attention(
+            q, kv, kv, None, None, None, None, True, None, None, False, *_NO_FUNCTIONS
+        )
         assert out.shape == q.shape and lse.numel() == 0
 
 
@@ -28,14 +35,16 @@ def test_attention_backward_operator_shapes():
         q, kv = _fake(2, 4, 77, 128), _fake(2, 4, 93, 128)
         bias = _fake(1, 4, 1, 93, dtype=torch.float32)
         sinks = _fake(4, dtype=torch.bfloat16)
-        out, lse = torch.ops.tilegym.attention(q, kv, kv, bias, None, sinks, 0.5, False, [10, 3], 20.0, True)
+        out, lse = torch.ops.tilegym.attention(
+            q, kv, kv, bias, None, sinks, 0.5, False, [10, 3], 20.0, True, *_NO_FUNCTIONS
+        )
         args = (out, lse, q, kv, kv, out, lse, bias, None, sinks, 0.5, False, [10, 3], 20.0)
-        dq, dk, dv, d_bias, d_sinks = torch.ops.tilegym.attention_backward(*args, True, True)
+        dq, dk, dv, d_bias, d_sinks, d_aux = torch.ops.tilegym.attention_backward(*args, True, True, *_NO_FUNCTIONS)
         assert [t.shape for t in (dq, dk, dv)] == [q.shape, kv.shape, kv.shape]
         assert (d_bias.shape, d_bias.dtype) == (bias.shape, torch.float32)
         assert (d_sinks.shape, d_sinks.dtype) == (sinks.shape, torch.bfloat16)
-        _, _, _, d_bias, d_sinks = torch.ops.tilegym.attention_backward(*args, False, False)
-        assert d_bias.numel() == 0 and d_sinks.numel() == 0
+        _, _, _, d_bias, d_sinks, d_aux = torch.ops.tilegym.attention_backward(*args, False, False, *_NO_FUNCTIONS)
+        assert d_bias.numel() == 0 and d_sinks.numel() == 0 and d_aux == []
 
 
 @pytest.mark.parametrize(
@@ -57,5 +66,6 @@ def test_attention_operator_checks_its_arguments(change, error, match):
         bias = _fake(*change["bias_shape"]) if "bias_shape" in change else None
         with pytest.raises(error, match=match):
             torch.ops.tilegym.attention(
-                q, kv, kv, bias, None, None, None, False, change.get("window"), change.get("softcap"), True
-            )
+                q, kv, kv, bias, None, None, None, False, change.get("window"), change.get("softcap"), True,
+                *_NO_FUNCTIONS,
+            )  # fmt: skip

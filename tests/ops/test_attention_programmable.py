@@ -427,24 +427,77 @@ def test_op_attention_programmable_in_a_cuda_graph():
     torch.testing.assert_close(got[4], want[4], atol=1e-3, rtol=1e-3)
 
 
-def test_op_attention_programmable_under_torch_compile():
-    """torch.compile runs a call with module-level functions (eagerly, at a graph break) and
-    gives the eager values and gradients."""
-    case = GQA_4TO1
-    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
+def _compile_cases(case):
+    """name -> (our keyword arguments, the learnable tensors, fullgraph): module-level functions
+    (ALiBi, a mask function), closures (softcap, a learned relative table) and a block mask,
+    which runs eagerly at a graph break."""
     slopes = torch.rand(case.q_heads, device="cuda") * 0.1
-    kwargs = sf.alibi(slopes, case.seqlen_q, case.seqlen_k)
+    table = (torch.randn(case.q_heads, 2 * 16 + 1, device="cuda") * 0.5).requires_grad_()
+    ids = _doc_ids(case)
+    documents = sf.document_mask(ids)
+    mask = create_block_mask(documents["mask_mod"], case.batch, None, case.seqlen_q, case.seqlen_k,
+                             mask_aux=documents["mask_aux"])  # fmt: skip
+    return {
+        "alibi": (sf.alibi(slopes, case.seqlen_q, case.seqlen_k), [], True),
+        "softcap-documents": ({**sf.softcap(4.0), **documents}, [], True),
+        "learned-table": (sf.relative_position_bias(table, 16), [table], True),
+        "block-mask": ({**sf.softcap(4.0), "block_mask": mask}, [], False),
+    }
 
-    def attention(q, k, v):
-        return tile_fmha_with_backward(q, k, v, is_causal=True, **kwargs) * 2.0
 
-    eager = attention(q, k, v)
-    compiled = torch.compile(attention)(q, k, v)
-    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
-    d_out = torch.randn_like(eager)
-    compiled_grads = torch.autograd.grad(compiled, (q, k, v), d_out)
-    for a, b in zip(compiled_grads, torch.autograd.grad(eager, (q, k, v), d_out), strict=True):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+@pytest.mark.parametrize("name", ["alibi", "softcap-documents", "learned-table", "block-mask"])
+def test_op_attention_programmable_under_torch_compile(name):
+    """torch.compile(fullgraph=True) keeps a call with score and mask functions in one graph
+    (the operators take the functions by key), a block mask runs at a graph break; values and
+    gradients (a learned table's too) are the eager call's."""
+    torch._dynamo.reset()
+    case = Case("compile", 2, 4, 2, 300, 300, 64)
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
+    kwargs, learnable, fullgraph = _compile_cases(case)[name]
+
+    def attention(q, k, v, kwargs):
+        out, lse = tile_fmha_with_backward(q, k, v, is_causal=True, return_lse=True, **kwargs)
+        return out * 2.0, lse
+
+    d_out, d_lse = torch.randn_like(q), torch.randn(q.shape[:3], device="cuda")
+    leaves = [q, k, v, *learnable]
+    results = []
+    for fn in (torch.compile(attention, fullgraph=fullgraph), attention, torch.compile(attention, fullgraph=fullgraph)):
+        out, lse = fn(q, k, v, kwargs)
+        results.append((out, lse, *torch.autograd.grad((out, lse), leaves, (d_out, d_lse))))
+    names = ["out", "lse", "dq", "dk", "dv"] + ["d_table"] * len(learnable)
+    for compiled in (results[0], results[2]):  # traced, then from the compiled graph
+        for label, got, want in zip(names, compiled, results[1], strict=True):
+            # A table's gradient is summed by atomic adds: equal to rounding.
+            tolerance = {"atol": 1e-3, "rtol": 1e-3} if label == "d_table" else {"atol": 0, "rtol": 0}
+            torch.testing.assert_close(got, want, **tolerance, msg=lambda m, n=label: f"{n}: {m}")
+    # Inference under compile too, and without a gradient for the table.
+    with torch.no_grad():
+        compiled_out = torch.compile(tile_fmha, fullgraph=fullgraph)(q, k, v, is_causal=True, **kwargs)
+        torch.testing.assert_close(compiled_out, tile_fmha(q, k, v, is_causal=True, **kwargs), atol=0, rtol=0)
+
+
+def _scaled_by(factor):
+    """A closure: under torch.compile it runs at a graph break."""
+
+    def scaled(score, b, h, q_idx, kv_idx, aux):
+        return score * factor
+
+    return {"score_mod": scaled}
+
+
+def test_op_attention_programmable_compile_tells_functions_apart():
+    """One compiled function called with ready-made functions of other numbers (softcap 3 and 5,
+    copies of one template) traces each and runs its kernels; called with closures of one code
+    over other numbers, it runs them eagerly at a graph break, each with its own values."""
+    torch._dynamo.reset()
+    q, k, v = make_inputs(ODD_LENGTHS, torch.bfloat16)
+    for fullgraph, make in ((True, sf.softcap), (False, _scaled_by)):
+        compiled = torch.compile(lambda q, k, v, kwargs: tile_fmha(q, k, v, **kwargs), fullgraph=fullgraph)
+        for value in (3.0, 5.0, 3.0, 0.5):
+            got = compiled(q, k, v, make(value))
+            torch.testing.assert_close(got, tile_fmha(q, k, v, **make(value)), atol=0, rtol=0)
+        assert not torch.equal(compiled(q, k, v, make(3.0)), compiled(q, k, v, make(5.0)))
 
 
 def test_op_attention_mask_mod_sees_real_batch_and_head():

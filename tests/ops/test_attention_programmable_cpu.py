@@ -24,10 +24,18 @@ def _fingerprint(kwargs: dict) -> str:
     ).fingerprint
 
 
+def _scaled(factor):
+    def scaled(score, b, h, q_idx, kv_idx, aux):
+        return score * factor
+
+    return scaled
+
+
 def test_fingerprint_follows_code_and_constants_not_identity():
-    first, second = score_functions.softcap(4.0), score_functions.softcap(4.0)
-    assert first["score_mod"] is not second["score_mod"]
-    assert _fingerprint(first) == _fingerprint(second)
+    first, second = _scaled(4.0), _scaled(4.0)
+    assert first is not second
+    assert programmable.fingerprint(first) == programmable.fingerprint(second)
+    assert programmable.fingerprint(first) != programmable.fingerprint(_scaled(5.0))
     assert _fingerprint(score_functions.softcap(4.0)) != _fingerprint(score_functions.softcap(8.0))
     assert _fingerprint(score_functions.softcap(4.0)) != _fingerprint(score_functions.softcap(4.0, approximate=False))
     assert _fingerprint(score_functions.sliding_window_with_globals(40, 4)) != _fingerprint(
@@ -41,6 +49,22 @@ def test_fingerprint_follows_code_and_constants_not_identity():
         return score + 2.0
 
     assert programmable.fingerprint(plus_one) != programmable.fingerprint(plus_two)
+
+
+def test_factories_give_the_same_functions_for_the_same_numbers():
+    """So that a loop calling a factory every step reads each fingerprint once, and torch.compile
+    traces once."""
+    table = torch.zeros(2, 9)
+    for make in (
+        lambda: score_functions.softcap(4.0),
+        lambda: score_functions.relative_position_bias(table, 4),
+        lambda: score_functions.sliding_window_with_globals(40, 4),
+        lambda: score_functions.prefix_lm(torch.zeros(2, dtype=torch.int32)),
+    ):
+        first, second = make(), make()
+        for role in ("score_mod", "score_mod_grad", "aux_grad", "mask_mod"):
+            assert first.get(role) is second.get(role), role
+    assert score_functions.softcap(4.0)["score_mod"] is not score_functions.softcap(8.0)["score_mod"]
 
 
 def test_fingerprint_is_the_same_in_a_new_process():

@@ -606,6 +606,39 @@ def test_op_varlen_under_torch_compile(causal, mods):
             _assert_like_eager(name, got, want, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("name", ["relative-table", "per-sequence"])
+def test_op_varlen_functions_under_torch_compile(name):
+    """torch.compile(fullgraph=True) of a packed call with a score function whose aux tensor
+    takes a gradient, and a mask function: no graph break; the results are the eager call's
+    (the aux gradient to rounding: atomic adds)."""
+    torch._dynamo.reset()
+    batch = pack(GRAPH_Q, GRAPH_K, 4, 2)
+    if name == "relative-table":
+        learnable, functions, _ = _learned_relative(4)
+    else:
+        learnable, functions, _ = _learned_per_sequence(4, batch.sequences)
+    functions = {**functions, **sf.sliding_window_with_globals(16, 3)}
+    cu_q, cu_k, max_q, max_k = batch.lengths
+
+    def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, functions):
+        return tile_fmha_functional(
+            q, k, v, is_causal=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
+            max_seqlen_k=max_k, return_lse=True, **functions,
+        )  # fmt: skip
+
+    d_out, d_lse = torch.randn_like(batch.q), torch.randn(4, batch.q.shape[0], device=DEVICE)
+
+    def step(fn):
+        leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+        out, lse = fn(*leaves, cu_q, cu_k, functions)
+        return (out.detach(), lse.detach(), *torch.autograd.grad((out, lse), [*leaves, learnable], (d_out, d_lse)))
+
+    compiled, eager = step(torch.compile(attention, fullgraph=True)), step(attention)
+    for label, got, want in zip(("out", "lse", "dq", "dk", "dv", "d_aux"), compiled, eager, strict=True):
+        tolerance = {"atol": 1e-3, "rtol": 1e-3} if label == "d_aux" else {"atol": 0, "rtol": 0}
+        torch.testing.assert_close(got, want, **tolerance, msg=lambda m, n=label: f"{n}: {m}")
+
+
 def _capture_training_step(batch: Packed, causal: bool):
     """A training step (forward with the LSE, backward through both) captured in a CUDA graph,
     after two warm-up steps on a side stream (compiles and tunes outside the capture). Returns

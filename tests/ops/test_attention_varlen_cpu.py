@@ -207,12 +207,14 @@ def test_op_varlen_fake_implementations_give_the_shapes_of_the_real_ones(value_d
         packed = [arguments[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
         lengths = (arguments["max_seqlen_q"], arguments["max_seqlen_k"])
         settings = (None, True, None, None)  # scaling, is_causal, window_size, softcap
-        out, lse = torch.ops.tilegym.attention_varlen(*packed, *lengths, None, sinks, *settings)
+        no_functions = ("", [], [])  # the functions key and tensors of a call without them
+        out, lse = torch.ops.tilegym.attention_varlen(*packed, *lengths, None, sinks, *settings, *no_functions)
         assert (out.shape, out.dtype) == ((TOTAL_Q, Q_HEADS, value_dim), torch.bfloat16)
         assert (lse.shape, lse.dtype) == ((Q_HEADS, TOTAL_Q), torch.float32)
         q, k, v = packed[:3]
         grads = torch.ops.tilegym.attention_varlen_backward(
             torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, *packed[3:], *lengths, None, sinks,
-            *settings, True,
+            *settings, True, *no_functions,
         )  # fmt: skip
-        assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape), (Q_HEADS,)]
+        assert [tuple(g.shape) for g in grads[:4]] == [tuple(q.shape), tuple(k.shape), tuple(v.shape), (Q_HEADS,)]
+        assert grads[4] == []

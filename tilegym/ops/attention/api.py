@@ -44,16 +44,16 @@ programmable.py and docs/attention.md have the contract):
   create_block_mask result reused across calls; and-ed with is_causal and window_size.
 """
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from tilegym.ops.attention import custom_ops, launch, programmable
+from tilegym.ops.attention import custom_ops, launch
 from tilegym.ops.attention.autograd import AttentionFunction, PackedAttentionFunction
-from tilegym.ops.attention.block_mask import BlockMask, check_block_mask
+from tilegym.ops.attention.block_mask import BlockMask
+from tilegym.ops.attention.caller_functions import CallerFunctions, closure_free, operator_key
 from tilegym.ops.attention.packing import check_packed_inputs, heads_major
 from tilegym.ops.attention.problem import check_inputs
 
@@ -106,12 +106,12 @@ def tile_fmha(
         out = tile_fmha(q, k, v, is_causal=True)  # GQA 4:1
     """
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
-    programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    if torch.compiler.is_compiling() and _operator_takes(programs):
+        out, _ = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=False, differentiable=False)
+        return out
     if programs is not None:
         out, _ = _programmed_forward(q, k, v, scaling, is_causal, mods, programs, with_lse=False)
-        return out
-    if torch.compiler.is_compiling():
-        out, _ = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=False, differentiable=False)
         return out
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
     out, _ = launch.forward(q, k, v, problem, with_lse=False, mod_tensors=mod_tensors)
@@ -145,12 +145,12 @@ def fmha_forward_with_lse(
     No gradient flows: tile_fmha_with_backward(..., return_lse=True) is the differentiable form.
     """
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
-    programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    if torch.compiler.is_compiling() and _operator_takes(programs):
+        out, lse = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=False)
+        return out, lse.to(torch.float32)
     if programs is not None:
         out, lse = _programmed_forward(q, k, v, scaling, is_causal, mods, programs, with_lse=True)
-        return out, lse.to(torch.float32)
-    if torch.compiler.is_compiling():
-        out, lse = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=True, differentiable=False)
         return out, lse.to(torch.float32)
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
     out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
@@ -196,12 +196,12 @@ def tile_fmha_with_backward(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
-    programs = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    if torch.compiler.is_compiling() and _operator_takes(programs):
+        out, lse = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=True)
+        return (out, lse) if return_lse else out
     if programs is not None:
         out, lse = _programmed_training(q, k, v, scaling, is_causal, mods, programs)
-        return (out, lse) if return_lse else out
-    if torch.compiler.is_compiling():
-        out, lse = _custom_op(q, k, v, scaling, is_causal, mods, with_lse=True, differentiable=True)
         return (out, lse) if return_lse else out
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
     if _needs_grad(q, k, v, attn_bias, sinks):
@@ -308,7 +308,7 @@ def tile_fmha_functional(
     count within it) with aux tensors that need no gradient, and mask_mod, or a block_mask made
     with the call's cu_seqlens_q and cu_seqlens_k (create_block_mask), seeing the same indices."""
     if training is None:
-        training = _needs_grad(q, k, v, attn_bias, sinks, *_Programs.aux_tensors_of(aux))
+        training = _needs_grad(q, k, v, attn_bias, sinks, *CallerFunctions.aux_tensors_of(aux))
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
     programs = {
@@ -322,7 +322,7 @@ def tile_fmha_functional(
             )
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-        functions = _Programs.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+        functions = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
         return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training, functions)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
@@ -355,75 +355,21 @@ class _Mods:
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class _Programs:
-    """The caller's score and mask functions and their tensors, as given (programmable.py)."""
-
-    score_mod: Callable | None
-    score_mod_grad: Callable | None
-    aux: tuple | None
-    aux_grad: Callable | None
-    mask_mod: Callable | None
-    mask_aux: tuple | None
-    block_mask: BlockMask | None
-
-    @classmethod
-    def of(cls, *given) -> "_Programs | None":
-        return None if all(value is None for value in given) else cls(*given)
-
-    def aux_tensors(self) -> tuple:
-        return self.aux_tensors_of(self.aux)
-
-    @staticmethod
-    def aux_tensors_of(aux) -> tuple:
-        """aux as given (None, one tensor, a tuple or a list) as a tuple, unchecked."""
-        return tuple(aux) if isinstance(aux, (tuple, list)) else () if aux is None else (aux,)
-
-    def check(self, q, problem, mod_tensors, training: bool, cu_seqlens=None):
-        """(problem, mod_tensors) with the caller's functions and tensors, checked; cu_seqlens: a
-        packed call's CuSeqlens."""
-        mask = check_block_mask(
-            self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
-            problem.seqlen_k, cu_seqlens,
-        )  # fmt: skip
-        aux = programmable.check_aux(self.aux, q, "aux")
-        # aux_grad runs (its atomic adds cost) only where some aux tensor takes a gradient.
-        aux_grad = self.aux_grad if training and any(t.requires_grad for t in aux) else None
-        if self.aux_grad is not None and self.score_mod is None:
-            raise ValueError("aux_grad is given without score_mod")
-        functions = programmable.memo_user_functions(
-            self.score_mod, self.score_mod_grad, aux_grad, None if mask is None else mask.mask_mod
-        )
-        if aux and self.score_mod is None:
-            raise ValueError("aux is given without score_mod (mask_mod reads mask_aux)")
-        if training and self.score_mod is not None and self.score_mod_grad is None:
-            raise ValueError(
-                "score_mod_grad is needed for the backward of score_mod: the gradient of score_mod's output "
-                "with respect to its input score (e.g. `lambda grad, score, out, b, h, q_idx, kv_idx, aux: grad` "
-                "for an additive score_mod)"
-            )
-        if training and self.aux_grad is None and any(t.requires_grad for t in aux):
-            raise ValueError("an aux tensor requires grad but no aux_grad is given to compute its gradient")
-        mods = dataclasses.replace(problem.mods, user=functions)
-        problem = dataclasses.replace(problem, mods=mods)
-        return problem, dataclasses.replace(mod_tensors, aux=aux, block_mask=mask)
-
-
-def _programmed_check(q, k, v, scaling, is_causal, mods: _Mods, programs: _Programs, training: bool):
+def _programmed_check(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions, training: bool):
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
     return programs.check(q, problem, mod_tensors, training)
 
 
 @torch.compiler.disable
-def _programmed_forward(q, k, v, scaling, is_causal, mods: _Mods, programs: _Programs, with_lse: bool):
+def _programmed_forward(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions, with_lse: bool):
     """The inference forward with the caller's functions. torch.compile runs it eagerly (a graph
-    break): the functions cannot pass through an operator's schema."""
+    break) where the operator cannot take them (_operator_takes)."""
     problem, mod_tensors = _programmed_check(q, k, v, scaling, is_causal, mods, programs, training=False)
     return launch.forward(q, k, v, problem, with_lse=with_lse, mod_tensors=mod_tensors)
 
 
 @torch.compiler.disable
-def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: _Programs):
+def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions):
     """(out, lse) through autograd with the caller's functions (see _programmed_forward)."""
     aux = programs.aux_tensors()
     needs_grad = _needs_grad(q, k, v, mods.attn_bias, mods.sinks, *aux)
@@ -450,13 +396,13 @@ def _packed_attention(
 ):
     """out [total_q, Hq, Dv], or with_lse (out, lse [Hq, total_q]), of a packed batch: through
     autograd when differentiable and a gradient is wanted, else the forward alone. programs: the
-    caller's score function (_Programs), which positions within each sequence, `b` the sequence."""
+    caller's score function (CallerFunctions), which positions within each sequence, `b` the sequence."""
     if not isinstance(with_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
-    if programs is not None:
+    if torch.compiler.is_compiling() and _operator_takes(programs):
+        out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, programs, differentiable)
+    elif programs is not None:
         out, lse = _programmed_packed(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs)
-    elif torch.compiler.is_compiling():
-        out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, differentiable)
     else:
         out, lse = _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable)
     return (out, lse) if with_lse else out
@@ -482,13 +428,17 @@ def _packed_eager(
     return launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
 
 
-# The caller's functions cannot pass through an operator's schema: torch.compile runs the call
-# eagerly, at a graph break (see _programmed_forward).
+# Where the operator cannot take the caller's functions (_operator_takes), torch.compile runs the
+# call eagerly, at a graph break.
 _programmed_packed = torch.compiler.disable(_packed_eager)
 
 
-def _packed_custom_op(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, differentiable: bool):
+def _packed_custom_op(
+    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, programs: CallerFunctions | None, differentiable: bool
+):
     """The packed call as custom_ops.attention_varlen (see _custom_op)."""
+    training = differentiable and _needs_grad(q, k, v, mods.sinks, *_aux_of(programs))
+    functions = _operator_functions(programs, training, differentiable)
     tensors = (q, k, v, mods.alibi_slopes, mods.sinks)
     if not differentiable:
         tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
@@ -496,7 +446,7 @@ def _packed_custom_op(q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed,
     window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
     return custom_ops.attention_varlen(
         q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, alibi_slopes,
-        sinks, scaling, is_causal, window, mods.softcap,
+        sinks, scaling, is_causal, window, mods.softcap, *functions,
     )  # fmt: skip
 
 
@@ -505,10 +455,24 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _custom_op(q, k, v, scaling, is_causal, mods: _Mods, with_lse: bool, differentiable: bool):
+def _operator_takes(programs: CallerFunctions | None) -> bool:
+    """Whether the operators can take the caller's functions: functions that close over nothing
+    (caller_functions says why), and no block mask (an object whose tile lists live in it).
+    torch.compile runs other calls eagerly, at a graph break."""
+    if programs is None:
+        return True
+    given = (programs.score_mod, programs.score_mod_grad, programs.aux_grad, programs.mask_mod)
+    return programs.block_mask is None and closure_free(*given)
+
+
+def _custom_op(
+    q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions | None, with_lse: bool, differentiable: bool
+):
     """The call as custom_ops.attention, which torch.compile keeps in its graph; the operator
     checks its arguments. Without differentiable, no gradient flows (as in the eager inference
-    path)."""
+    path). The caller's functions travel as their key (caller_functions.operator_key)."""
+    training = differentiable and _needs_grad(q, k, v, mods.attn_bias, mods.sinks, *_aux_of(programs))
+    functions = _operator_functions(programs, training, differentiable)
     tensors = (q, k, v, mods.attn_bias, mods.alibi_slopes, mods.sinks)
     if not differentiable:
         tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
@@ -516,5 +480,23 @@ def _custom_op(q, k, v, scaling, is_causal, mods: _Mods, with_lse: bool, differe
     # The schema takes a list of ints; anything else fails its check, which names the argument.
     window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
     return custom_ops.attention(
-        q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window, mods.softcap, with_lse
+        q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window, mods.softcap, with_lse, *functions
     )  # fmt: skip
+
+
+def _aux_of(programs: CallerFunctions | None) -> tuple:
+    return () if programs is None else programs.aux_tensors()
+
+
+def _operator_functions(programs: CallerFunctions | None, training: bool, differentiable: bool) -> tuple:
+    """(key, aux, mask_aux): the operators' arguments for the caller's functions, ("", [], [])
+    without; the key registers them (caller_functions.operator_key)."""
+    if programs is None:
+        return "", [], []
+    aux, mask_aux = programs.aux_tensors(), CallerFunctions.aux_tensors_of(programs.mask_aux)
+    given = (programs.score_mod, programs.score_mod_grad, programs.aux_grad, programs.mask_mod)
+    aux_requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in aux)
+    key = operator_key(*given, training, aux_requires_grad)
+    if not differentiable:
+        aux = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in aux])
+    return key, list(aux), list(mask_aux)

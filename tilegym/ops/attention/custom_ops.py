@@ -8,24 +8,33 @@ compiled training step keeps one graph (fullgraph=True holds). Eager calls keep 
 
 Operator arguments are tensors and plain values only, so each operator validates its own
 arguments (problem.check_inputs): at trace time in its fake implementation, with the same
-errors as eager calls, and again when it runs.
+errors as eager calls, and again when it runs. The caller's score and mask functions travel as
+the key they are registered under (caller_functions.operator_key), their tensors as lists.
 """
 
 import torch
 from torch import Tensor
 
 from tilegym.ops.attention import launch
+from tilegym.ops.attention.caller_functions import from_operator
 from tilegym.ops.attention.packing import check_packed_inputs
 from tilegym.ops.attention.problem import check_inputs
 
 _NAMESPACE = "tilegym"
 
 
-def _problem(q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, bias_grad):
-    return check_inputs(
+def _problem(q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, functions, aux,
+             mask_aux, bias_grad):  # fmt: skip
+    problem, mod_tensors = check_inputs(
         q, k, v, scaling, is_causal, attn_bias, None if window_size is None else tuple(window_size), softcap,
         alibi_slopes, bias_grad=bias_grad, sinks=sinks,
     )  # fmt: skip
+    given = from_operator(functions, aux, mask_aux)
+    if given is None:
+        return problem, mod_tensors
+    # The key holds aux_grad only where an aux tensor takes a gradient; training's checks ran
+    # when it was made.
+    return given.check(q, problem, mod_tensors, False, wants_aux_grad=given.aux_grad is not None)
 
 
 def _absent(q: Tensor) -> Tensor:
@@ -47,17 +56,22 @@ def attention(
     window_size: list[int] | None,
     softcap: float | None,
     with_lse: bool,
+    functions: str,
+    aux: list[Tensor],
+    mask_aux: list[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """(out, lse); lse is empty unless with_lse."""
-    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap)
+    """(out, lse); lse is empty unless with_lse. functions: the key of the caller's functions
+    ("" for none), aux and mask_aux their tensors."""
+    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, functions, aux, mask_aux)
     problem, mod_tensors = _problem(*args, bias_grad=False)
     out, lse = launch.forward(q, k, v, problem, with_lse=with_lse, mod_tensors=mod_tensors)
     return out, _absent(q) if lse is None else lse
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse):
-    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap)
+def _attention_fake(q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse,
+                    functions, aux, mask_aux):  # fmt: skip
+    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, functions, aux, mask_aux)
     problem, _ = _problem(*args, bias_grad=False)
     out = launch.output(q, problem)
     return out, launch.row_stat(problem, q.device) if with_lse else _absent(q)
@@ -81,9 +95,14 @@ def attention_backward(
     softcap: float | None,
     bias_grad: bool,
     sinks_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d_bias, d_sinks); d_bias is empty unless bias_grad, d_sinks unless sinks_grad."""
-    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap)
+    functions: str,
+    aux: list[Tensor],
+    mask_aux: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, d_bias, d_sinks, d_aux); d_bias is empty unless bias_grad, d_sinks unless
+    sinks_grad, d_aux unless the functions' key holds an aux_grad (then one per aux tensor, in
+    its dtype)."""
+    args = (q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, functions, aux, mask_aux)
     problem, mod_tensors = _problem(*args, bias_grad=bias_grad)
     grads = launch.backward(
         d_out, q, k, v, out, lse, problem, mod_tensors=mod_tensors, bias_grad=bias_grad, d_lse=d_lse,
@@ -91,55 +110,84 @@ def attention_backward(
     )  # fmt: skip
     d_bias = _absent(q) if grads.d_bias is None else grads.d_bias
     d_sinks = _absent(q) if grads.d_sinks is None else grads.d_sinks.to(sinks.dtype)
-    return grads.dq, grads.dk, grads.dv, d_bias, d_sinks
+    return grads.dq, grads.dk, grads.dv, d_bias, d_sinks, _aux_gradients(grads, aux)
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(
     d_out, d_lse, q, k, v, out, lse, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap,
-    bias_grad, sinks_grad,
+    bias_grad, sinks_grad, functions, aux, mask_aux,
 ):  # fmt: skip
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     d_bias = attn_bias.new_empty(attn_bias.shape) if bias_grad else _absent(q)  # contiguous, as summed
     d_sinks = sinks.new_empty(sinks.shape) if sinks_grad else _absent(q)
-    return (*grads, d_bias, d_sinks)
+    return (*grads, d_bias, d_sinks, _fake_aux_gradients(functions, aux, mask_aux))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse = inputs
+    q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse, *functions = inputs
+    key, aux, mask_aux = functions
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_bias, alibi_slopes, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *aux, *mask_aux)
     ctx.set_materialize_grads(False)  # an unused LSE's gradient arrives as None, not zeros
     ctx.settings = (scaling, is_causal, window_size, softcap)
+    ctx.functions = (key, len(aux))
 
 
 def _backward(ctx, d_out, d_lse):
-    q, k, v, out, lse, attn_bias, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *user_tensors = ctx.saved_tensors
+    key, aux_count = ctx.functions
+    aux, mask_aux = user_tensors[:aux_count], user_tensors[aux_count:]
     bias_grad, sinks_grad = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
     if d_out is None:
         d_out = torch.zeros_like(out)
     if d_lse is not None and d_lse.shape != lse.shape:  # the empty LSE of a call without one
         d_lse = None
-    dq, dk, dv, d_bias, d_sinks = attention_backward(
-        d_out, d_lse, q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *ctx.settings, bias_grad, sinks_grad
+    dq, dk, dv, d_bias, d_sinks, d_aux = attention_backward(
+        d_out, d_lse, q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *ctx.settings, bias_grad, sinks_grad,
+        key, aux, mask_aux,
     )  # fmt: skip
     d_bias = d_bias if bias_grad else None
     d_sinks = d_sinks if sinks_grad else None
-    return dq, dk, dv, d_bias, None, d_sinks, None, None, None, None, None
+    d_aux = _wanted_aux_gradients(d_aux, aux, ctx.needs_input_grad[12])
+    return dq, dk, dv, d_bias, None, d_sinks, None, None, None, None, None, None, d_aux, [None] * len(mask_aux)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _aux_gradients(grads: launch.Gradients, aux: list) -> list:
+    """The aux tensors' gradients in their dtypes; none where the key holds no aux_grad."""
+    return [] if grads.d_aux is None else [d.to(t.dtype) for d, t in zip(grads.d_aux, aux, strict=True)]
+
+
+def _fake_aux_gradients(functions: str, aux: list, mask_aux: list) -> list:
+    given = from_operator(functions, aux, mask_aux)
+    return [t.new_empty(t.shape) for t in aux] if given is not None and given.aux_grad is not None else []
+
+
+def _wanted_aux_gradients(d_aux: list, aux: list, wanted) -> list:
+    """A gradient per aux tensor (the operator's list input), None where autograd wants none."""
+    if not d_aux:
+        return [None] * len(aux)
+    return [d if want else None for d, want in zip(d_aux, wanted, strict=True)]
 
 
 # ---- packed variable-length batches ----------------------------------------------------------
 
 
 def _packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling,
-                    is_causal, window_size, softcap, read_contents=True):  # fmt: skip
-    return check_packed_inputs(
+                    is_causal, window_size, softcap, functions, aux, mask_aux, read_contents=True):  # fmt: skip
+    problem, mod_tensors, cu_seqlens = check_packed_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal,
         None if window_size is None else tuple(window_size), softcap, alibi_slopes, sinks, read_contents,
     )  # fmt: skip
+    given = from_operator(functions, aux, mask_aux)
+    if given is not None:
+        problem, mod_tensors = given.check(
+            q, problem, mod_tensors, False, cu_seqlens, wants_aux_grad=given.aux_grad is not None
+        )  # fmt: skip
+    return problem, mod_tensors, cu_seqlens
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::attention_varlen", mutates_args=())
@@ -157,19 +205,23 @@ def attention_varlen(
     is_causal: bool,
     window_size: list[int] | None,
     softcap: float | None,
+    functions: str,
+    aux: list[Tensor],
+    mask_aux: list[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """(out [total_q, Hq, Dv], lse [Hq, total_q]) of a packed batch (api.tile_fmha_varlen)."""
+    """(out [total_q, Hq, Dv], lse [Hq, total_q]) of a packed batch (api.tile_fmha_varlen);
+    functions, aux, mask_aux as attention's."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
-            window_size, softcap)  # fmt: skip
+            window_size, softcap, functions, aux, mask_aux)  # fmt: skip
     problem, mod_tensors, cu_seqlens = _packed_problem(*args)
     return launch.forward_packed(q, k, v, problem, True, mod_tensors, cu_seqlens)
 
 
 @attention_varlen.register_fake
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
-                           scaling, is_causal, window_size, softcap):  # fmt: skip
+                           scaling, is_causal, window_size, softcap, functions, aux, mask_aux):  # fmt: skip
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
-            window_size, softcap)  # fmt: skip
+            window_size, softcap, functions, aux, mask_aux)  # fmt: skip
     _packed_problem(*args, read_contents=False)
     stat_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype)
@@ -195,44 +247,54 @@ def attention_varlen_backward(
     window_size: list[int] | None,
     softcap: float | None,
     sinks_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d_sinks) of a packed batch; d_sinks is empty unless sinks_grad."""
+    functions: str,
+    aux: list[Tensor],
+    mask_aux: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, d_sinks, d_aux) of a packed batch; d_sinks is empty unless sinks_grad, d_aux
+    as attention_backward's."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
-            window_size, softcap)  # fmt: skip
+            window_size, softcap, functions, aux, mask_aux)  # fmt: skip
     problem, mod_tensors, cu_seqlens = _packed_problem(*args)
     grads = launch.backward_packed(d_out, q, k, v, out, lse, problem, mod_tensors, cu_seqlens, d_lse, sinks_grad)
     d_sinks = _absent(q) if grads.d_sinks is None else grads.d_sinks.to(sinks.dtype)
-    return grads.dq, grads.dk, grads.dv, d_sinks
+    return grads.dq, grads.dk, grads.dv, d_sinks, _aux_gradients(grads, aux)
 
 
 @attention_varlen_backward.register_fake
 def _attention_varlen_backward_fake(d_out, d_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, alibi_slopes, sinks, scaling, is_causal, window_size, softcap,
-                                    sinks_grad):  # fmt: skip
+                                    sinks_grad, functions, aux, mask_aux):  # fmt: skip
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     d_sinks = sinks.new_empty(sinks.shape) if sinks_grad else _absent(q)
-    return (*grads, d_sinks)
+    return (*grads, d_sinks, _fake_aux_gradients(functions, aux, mask_aux))
 
 
 def _setup_varlen_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, *settings = inputs
+    *settings, key, aux, mask_aux = settings
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *aux, *mask_aux)
     ctx.set_materialize_grads(False)
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.settings = tuple(settings)
+    ctx.functions = (key, len(aux))
 
 
 def _varlen_backward(ctx, d_out, d_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *user_tensors = ctx.saved_tensors
+    key, aux_count = ctx.functions
+    aux, mask_aux = user_tensors[:aux_count], user_tensors[aux_count:]
     sinks_grad = ctx.needs_input_grad[8]
     if d_out is None:
         d_out = torch.zeros_like(out)
-    dq, dk, dv, d_sinks = attention_varlen_backward(
+    dq, dk, dv, d_sinks, d_aux = attention_varlen_backward(
         d_out, d_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alibi_slopes, sinks,
-        *ctx.settings, sinks_grad,
+        *ctx.settings, sinks_grad, key, aux, mask_aux,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, d_sinks if sinks_grad else None, None, None, None, None
+    d_aux = _wanted_aux_gradients(d_aux, aux, ctx.needs_input_grad[14])
+    return (dq, dk, dv, None, None, None, None, None, d_sinks if sinks_grad else None, None, None, None, None, None,
+            d_aux, [None] * len(mask_aux))  # fmt: skip
 
 
 attention_varlen.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)

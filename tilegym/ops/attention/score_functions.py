@@ -13,7 +13,15 @@ inputs), b and h as int32 scalars, q_idx and kv_idx as int32 index tiles that br
 against the scores (their orientation differs between kernels: write elementwise code), and
 aux, the call's tensors as cuTile arrays (read with ct.gather). Numbers a function closes over
 are compile-time constants (a kernel per value): learnable or per-call values go in aux.
+
+A factory called again with the same numbers returns the same function objects: the host
+reads a function's fingerprint once per object, and torch.compile traces once per object. Its
+numbers are globals of its functions' own copies, not closures (_specialized says why): a
+function of one's own that closes over values runs under torch.compile at a graph break.
 """
+
+import types
+from functools import lru_cache
 
 import cuda.tile as ct
 import torch
@@ -31,18 +39,44 @@ def softcap(cap: float, approximate: bool = True) -> dict:
     softcap= uses for them); False for float32 and float64 inputs (a slower, exact tanh)."""
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    inverse = 1.0 / cap
+    score_mod, score_mod_grad = _softcap_functions(float(cap), bool(approximate))
+    return {"score_mod": score_mod, "score_mod_grad": score_mod_grad}
+
+
+@lru_cache(maxsize=64)
+def _softcap_functions(cap: float, approximate: bool):
     rounding = ct.RoundingMode.APPROX if approximate else None
+    return _specialized((_softcap_score, _softcap_grad), _CAP=cap, _INVERSE=1.0 / cap, _ROUNDING=rounding)
 
-    def softcap_score(score, b, h, q_idx, kv_idx, aux):
-        return cap * ct.tanh(score * inverse, rounding_mode=rounding)
 
-    def softcap_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
-        # d/ds cap tanh(s / cap) = 1 - tanh^2, read from the output: no second tanh.
-        capped = out * inverse
-        return grad * (1.0 - capped * capped)
+# Constants of the templates below, set per copy (_specialized).
+_CAP = _INVERSE = _ROUNDING = _REACH = None
 
-    return {"score_mod": softcap_score, "score_mod_grad": softcap_grad}
+
+def _softcap_score(score, b, h, q_idx, kv_idx, aux):
+    return _CAP * ct.tanh(score * _INVERSE, rounding_mode=_ROUNDING)
+
+
+def _softcap_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
+    # d/ds cap tanh(s / cap) = 1 - tanh^2, read from the output: no second tanh.
+    capped = out * _INVERSE
+    return grad * (1.0 - capped * capped)
+
+
+def _specialized(templates: tuple, **constants) -> tuple:
+    """Copies of module-level template functions whose globals also hold constants: functions
+    that close over nothing, each under a code object of its own. torch.compile tells functions
+    apart by their code object alone (its guards), so closures of one code over other constants
+    would share a compiled graph; these do not, and pass through the operators by key
+    (caller_functions). Templates call each other by name, which names the copies here."""
+    namespace = {**globals(), **constants}
+    copies = []
+    for template in templates:
+        copy = types.FunctionType(template.__code__.replace(), namespace, template.__name__, template.__defaults__)
+        copy.__qualname__ = template.__qualname__
+        namespace[template.__name__] = copy
+        copies.append(copy)
+    return tuple(copies)
 
 
 def _alibi_score(score, b, h, q_idx, kv_idx, aux):
@@ -70,48 +104,53 @@ def relative_position_bias(table: torch.Tensor, max_distance: int) -> dict:
     expected = 2 * max_distance + 1
     if table.dim() != 2 or table.shape[1] != expected:
         raise ValueError(f"table must be [heads, 2 * max_distance + 1 = {expected}], got {list(table.shape)}")
+    score_mod, aux_grad = _relative_functions(int(max_distance))
+    return {"score_mod": score_mod, "score_mod_grad": additive_grad, "aux": (table,), "aux_grad": aux_grad}
 
-    def bucket(q_idx, kv_idx):
-        return ct.minimum(ct.maximum(kv_idx - q_idx, -max_distance), max_distance) + max_distance
 
-    def end_bucket(q_idx, kv_idx):
-        """The table end every pair of the tile falls in (0 or 2 * max_distance), or -1 if some
-        pair is within max_distance: two reductions of the index tiles, not one per score."""
-        if ct.max(kv_idx) - ct.min(q_idx) < -max_distance:
-            end = 0
-        elif ct.min(kv_idx) - ct.max(q_idx) > max_distance:
-            end = 2 * max_distance
-        else:
-            end = -1
-        return end
+@lru_cache(maxsize=64)
+def _relative_functions(max_distance: int):
+    templates = (_relative_bucket, _relative_end_bucket, _relative_score, _relative_table_grad)
+    return _specialized(templates, _REACH=max_distance)[2:]
 
-    def relative_score(score, b, h, q_idx, kv_idx, aux):
-        end = end_bucket(q_idx, kv_idx)
-        if end >= 0:
-            result = score + ct.astype(ct.gather(aux[0], (h, end)), score.dtype)
-        else:
-            result = score + ct.astype(ct.gather(aux[0], (h, bucket(q_idx, kv_idx))), score.dtype)
-        return result
 
-    def relative_table_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
-        # Pairs farther apart than max_distance share the table's two end buckets: one sum per
-        # tile for each, since one atomic add per pair would all land on one address. Pairs
-        # within it add one by one, and only in tiles that have some.
-        offset = kv_idx - q_idx
-        ct.atomic_add(aux_grads[0], (h, 0), ct.sum(ct.where(offset < -max_distance, grad, 0.0)))
-        ct.atomic_add(aux_grads[0], (h, 2 * max_distance), ct.sum(ct.where(offset > max_distance, grad, 0.0)))
-        near = (offset >= -max_distance) & (offset <= max_distance)
-        if ct.sum(ct.where(near, 1, 0)) > 0:
-            # Far pairs get an index past the table, which the bounds check drops.
-            index = ct.where(near, offset + max_distance, 2 * max_distance + 1)
-            ct.atomic_add(aux_grads[0], (h, index), grad)
+def _relative_bucket(q_idx, kv_idx):
+    return ct.minimum(ct.maximum(kv_idx - q_idx, -_REACH), _REACH) + _REACH
 
-    return {
-        "score_mod": relative_score,
-        "score_mod_grad": additive_grad,
-        "aux": (table,),
-        "aux_grad": relative_table_grad,
-    }
+
+def _relative_end_bucket(q_idx, kv_idx):
+    """The table end every pair of the tile falls in (0 or 2 * reach), or -1 if some pair is
+    within reach: two reductions of the index tiles, not one per score."""
+    if ct.max(kv_idx) - ct.min(q_idx) < -_REACH:
+        end = 0
+    elif ct.min(kv_idx) - ct.max(q_idx) > _REACH:
+        end = 2 * _REACH
+    else:
+        end = -1
+    return end
+
+
+def _relative_score(score, b, h, q_idx, kv_idx, aux):
+    end = _relative_end_bucket(q_idx, kv_idx)
+    if end >= 0:
+        result = score + ct.astype(ct.gather(aux[0], (h, end)), score.dtype)
+    else:
+        result = score + ct.astype(ct.gather(aux[0], (h, _relative_bucket(q_idx, kv_idx))), score.dtype)
+    return result
+
+
+def _relative_table_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    # Pairs farther apart than the reach share the table's two end buckets: one sum per tile for
+    # each, since one atomic add per pair would all land on one address. Pairs within it add one
+    # by one, and only in tiles that have some.
+    offset = kv_idx - q_idx
+    ct.atomic_add(aux_grads[0], (h, 0), ct.sum(ct.where(offset < -_REACH, grad, 0.0)))
+    ct.atomic_add(aux_grads[0], (h, 2 * _REACH), ct.sum(ct.where(offset > _REACH, grad, 0.0)))
+    near = (offset >= -_REACH) & (offset <= _REACH)
+    if ct.sum(ct.where(near, 1, 0)) > 0:
+        # Far pairs get an index past the table, which the bounds check drops.
+        index = ct.where(near, offset + _REACH, 2 * _REACH + 1)
+        ct.atomic_add(aux_grads[0], (h, index), grad)
 
 
 def _same_document(b, h, q_idx, kv_idx, mask_aux):
@@ -126,24 +165,32 @@ def document_mask(doc_ids: torch.Tensor) -> dict:
     return {"mask_mod": _same_document, "mask_aux": (doc_ids,)}
 
 
+def _prefix_or_causal(b, h, q_idx, kv_idx, mask_aux):
+    return (kv_idx < ct.gather(mask_aux[0], b)) | (kv_idx <= q_idx)
+
+
 def prefix_lm(prefix_length: torch.Tensor) -> dict:
     """Prefix-LM: every query sees the prefix (keys below prefix_length[b], int32 [B]) and the
     keys up to itself. Call with is_causal=False."""
-
-    def prefix_or_causal(b, h, q_idx, kv_idx, mask_aux):
-        return (kv_idx < ct.gather(mask_aux[0], b)) | (kv_idx <= q_idx)
-
-    return {"mask_mod": prefix_or_causal, "mask_aux": (prefix_length,)}
+    return {"mask_mod": _prefix_or_causal, "mask_aux": (prefix_length,)}
 
 
 def sliding_window_with_globals(window: int, global_tokens: int) -> dict:
     """Each query sees the `window` keys up to itself and the first `global_tokens` keys
     (attention sinks as tokens, Longformer's globals). Call with is_causal=True."""
+    return {"mask_mod": _window_or_global(int(window), int(global_tokens))}
 
-    def window_or_global(b, h, q_idx, kv_idx, mask_aux):
-        return (q_idx - kv_idx < window) | (kv_idx < global_tokens)
 
-    return {"mask_mod": window_or_global}
+@lru_cache(maxsize=64)
+def _window_or_global(window: int, global_tokens: int):
+    return _specialized((_window_or_global_template,), _WINDOW=window, _GLOBAL_TOKENS=global_tokens)[0]
+
+
+_WINDOW = _GLOBAL_TOKENS = None
+
+
+def _window_or_global_template(b, h, q_idx, kv_idx, mask_aux):
+    return (q_idx - kv_idx < _WINDOW) | (kv_idx < _GLOBAL_TOKENS)
 
 
 def _within_length(b, h, q_idx, kv_idx, mask_aux):
