@@ -32,7 +32,7 @@ Score modifiers, keyword arguments of every function (score_mods.py has the exac
   it, so a row that sees no key has LSE ``sink_h``. It receives a gradient when it requires one,
   summed over batch and rows in a fixed order.
 
-Score and mask functions written in cuTile, inlined into the kernels (dense batches;
+Score and mask functions written in cuTile, inlined into the kernels (dense and packed batches;
 programmable.py and docs/attention.md have the contract):
 
 - score_mod ``(score, b, h, q_idx, kv_idx, aux) -> score`` on natural-unit fp32 score tiles,
@@ -305,7 +305,7 @@ def tile_fmha_functional(
     With cu_seqlens_q and cu_seqlens_k (and max_seqlen_q, max_seqlen_k), q, k and v are a packed
     batch, as tile_fmha_varlen takes it (no attn_bias); training=False then returns the same
     values without a gradient. A packed batch takes score_mod (b is the sequence, q_idx and kv_idx
-    count within it) with aux tensors that need no gradient, and mask_mod, or a block_mask made
+    count within it) with its aux tensors and aux_grad, and mask_mod, or a block_mask made
     with the call's cu_seqlens_q and cu_seqlens_k (create_block_mask), seeing the same indices."""
     if training is None:
         training = _needs_grad(q, k, v, attn_bias, sinks, *CallerFunctions.aux_tensors_of(aux))
