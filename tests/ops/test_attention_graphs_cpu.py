@@ -69,3 +69,29 @@ def test_attention_operator_checks_its_arguments(change, error, match):
                 q, kv, kv, bias, None, None, None, False, change.get("window"), change.get("softcap"), True,
                 *_NO_FUNCTIONS,
             )  # fmt: skip
+
+
+def test_attention_operators_take_functions_by_key():
+    """A call with score functions passes the key they are registered under and their tensors:
+    the fake implementations check them and give the aux tensors' gradients where the key holds
+    an aux_grad; an unknown key is refused."""
+    from tilegym.ops.attention import score_functions as sf
+    from tilegym.ops.attention.caller_functions import operator_key
+
+    table = torch.zeros(4, 9)
+    relative = sf.relative_position_bias(table, 4)
+    functions = (relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"], None)
+    learned, frozen = operator_key(*functions, True, True), operator_key(*functions, True, False)
+    assert learned and frozen and learned != frozen, "the key holds aux_grad only where the table learns"
+    with FakeTensorMode():
+        q, kv = _fake(2, 4, 77, 64), _fake(2, 2, 93, 64)
+        aux = [_fake(4, 9, dtype=torch.float32)]
+        out, lse = torch.ops.tilegym.attention(
+            q, kv, kv, None, None, None, None, True, None, None, True, learned, aux, []
+        )
+        args = (out, lse, q, kv, kv, out, lse, None, None, None, None, True, None, None, False, False)
+        for key, expected in ((learned, [(4, 9)]), (frozen, [])):
+            *_, d_aux = torch.ops.tilegym.attention_backward(*args, key, aux, [])
+            assert [tuple(d.shape) for d in d_aux] == expected
+        with pytest.raises(ValueError, match="no score or mask functions are registered"):
+            torch.ops.tilegym.attention(q, kv, kv, None, None, None, None, True, None, None, True, "0" * 64, aux, [])
