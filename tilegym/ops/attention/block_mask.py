@@ -168,13 +168,10 @@ def _packed_lengths(cu_seqlens_q, cu_seqlens_k, batch, probe) -> CuSeqlens | Non
     or neither, N matching B where B is given."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return None
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        check_cu_seqlens(name, cu, probe)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must have one length (sequences + 1)")
+    cu_seqlens = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, probe)
     if batch is not None and batch != cu_seqlens_q.numel() - 1:
         raise ValueError(f"B must be None or the number of sequences ({cu_seqlens_q.numel() - 1}), got {batch}")
-    return CuSeqlens(cu_seqlens_q, cu_seqlens_k)
+    return cu_seqlens
 
 
 def check_block_mask(

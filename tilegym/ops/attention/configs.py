@@ -336,9 +336,8 @@ def candidates(
     score switches pick (score_tables).
 
     With score modifiers no config runs on CTA clusters outside the tables of ALiBi alone or a mask
-    alone (measured there on sm_90): the two-CTA
-    forward faulted on a misaligned address with a one-row bias on Hopper
-    (perf-notes#forward-cta-clusters). Cached: every launch asks.
+    alone (measured there on sm_90): the two-CTA forward faulted on a misaligned address with a
+    one-row bias on Hopper (perf-notes#forward-cta-clusters). Cached: every launch asks.
     """
     key = (arch, kernel)
     own = SCORE_TABLES.get(scores, {})

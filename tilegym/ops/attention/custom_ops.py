@@ -125,8 +125,7 @@ def _attention_backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, with_lse, *functions = inputs
-    key, aux, mask_aux = functions
+    q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, _, key, aux, mask_aux = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *aux, *mask_aux)
     ctx.set_materialize_grads(False)  # an unused LSE's gradient arrives as None, not zeros

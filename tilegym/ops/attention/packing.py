@@ -126,13 +126,7 @@ def _check_in_full(
         check_tensor(name, t, PACKED_LAYOUT)
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same total and heads, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        check_cu_seqlens(name, cu, q)
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have one length (sequences + 1), got {cu_seqlens_q.numel()} "
-            f"and {cu_seqlens_k.numel()}"
-        )
+    cu_seqlens = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     sequences = cu_seqlens_q.numel() - 1
     if sequences > _MAX_GRID_YZ:
         raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {sequences}")
@@ -155,11 +149,23 @@ def _check_in_full(
         mods=dataclasses.replace(problem.mods, alibi=slopes is not None),
         packing=Packing(total_q, total_k),
     )
-    return problem, dataclasses.replace(mod_tensors, slopes=slopes), CuSeqlens(cu_seqlens_q, cu_seqlens_k)
+    return problem, dataclasses.replace(mod_tensors, slopes=slopes), cu_seqlens
 
 
-def check_cu_seqlens(name: str, cu, q: torch.Tensor) -> None:
-    """A cumulative-length tensor: int32, 1-D, contiguous, on q's device."""
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q: torch.Tensor) -> CuSeqlens:
+    """The cumulative lengths of a packed batch (of a call, or of a block mask made for one):
+    each int32, 1-D, contiguous, on q's device, the two of one length."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_one_cu_seqlens(name, cu, q)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have one length (sequences + 1), got {cu_seqlens_q.numel()} "
+            f"and {cu_seqlens_k.numel()}"
+        )
+    return CuSeqlens(cu_seqlens_q, cu_seqlens_k)
+
+
+def _check_one_cu_seqlens(name: str, cu, q: torch.Tensor) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:

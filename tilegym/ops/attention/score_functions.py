@@ -50,7 +50,7 @@ def _softcap_functions(cap: float, approximate: bool):
 
 
 # Constants of the templates below, set per copy (_specialized).
-_CAP = _INVERSE = _ROUNDING = _REACH = None
+_CAP = _INVERSE = _ROUNDING = _REACH = _WINDOW = _GLOBAL_TOKENS = None
 
 
 def _softcap_score(score, b, h, q_idx, kv_idx, aux):
@@ -184,9 +184,6 @@ def sliding_window_with_globals(window: int, global_tokens: int) -> dict:
 @lru_cache(maxsize=64)
 def _window_or_global(window: int, global_tokens: int):
     return _specialized((_window_or_global_template,), _WINDOW=window, _GLOBAL_TOKENS=global_tokens)[0]
-
-
-_WINDOW = _GLOBAL_TOKENS = None
 
 
 def _window_or_global_template(b, h, q_idx, kv_idx, mask_aux):

@@ -19,6 +19,7 @@ and LSE includes it. A row that sees no key, or only -inf biases, outputs zeros 
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -47,10 +48,11 @@ class ScoreMods:
     # source of every module they import.
     user: object = None
 
-    @property
+    @cached_property
     def switches(self) -> frozenset:
         """The score switches this call sets, named as variants.SCORE_SWITCHES names them: a
-        variant runs the call only if it takes them all (variants.Variant.modifiers)."""
+        variant runs the call only if it takes them all (variants.Variant.modifiers). Worked out
+        once per ScoreMods: every launch's candidates, dispatch and scale ask."""
         used = {
             "bias_mode": self.bias_mode != BIAS_NONE,
             "windowed": self.window is not None,
