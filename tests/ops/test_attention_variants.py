@@ -195,6 +195,20 @@ def test_op_attention_alibi_scaling(scaling):
     check_variant(case, torch.bfloat16, causal, {**build(case, torch.bfloat16), "scaling": scaling})
 
 
+# Causal ALiBi on 16-bit inputs splits its term into a per-key part in the scores and a per-query
+# part in the row statistics: steep slopes (1 and BLOOM's largest, 0.5, beside gentle ones), rows
+# many tiles long, queries before the keys (rows that see nothing) and after them, GQA.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [Case("sq-lt-sk", 1, 8, 2, 650, 1100, 128), Case("sq-gt-sk", 2, 4, 4, 900, 500, 64)],
+    ids=lambda c: c.why,
+)
+def test_op_attention_alibi_causal_steep_slopes(case, dtype):
+    slopes = torch.tensor([1.0, 0.5, 2**-4, 2**-8] * (case.q_heads // 4), device="cuda")
+    check_variant(case, dtype, True, {"alibi_slopes": slopes})
+
+
 def test_op_attention_variant_public_api():
     """Every public function takes the modifiers, and autograd hands dBias to the bias."""
     case = Case("api", 2, 4, 2, 70, 90, 64)

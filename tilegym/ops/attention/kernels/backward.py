@@ -19,7 +19,7 @@ from tilegym.ops.attention.kernels.head import (
     load_head,
     store_head,
 )
-from tilegym.ops.attention.kernels.modifiers import head_mods, raw_gradient, scores, softcap_values
+from tilegym.ops.attention.kernels.modifiers import alibi_shifted_lse, head_mods, raw_gradient, scores, softcap_values
 from tilegym.ops.attention.kernels.packed import bulk_once, has_no_rows, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
@@ -162,6 +162,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         lse = load_lse_padded_inf(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
     else:
         lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]
+    lse = alibi_shifted_lse(lse, q_tile, tile.kv_tile, scoring, k.main.dtype, True)
     delta = 0.0
     if sums_dk:
         delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
@@ -576,7 +577,8 @@ def attention_backward_dq_kernel(
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     d_query = head_zeros(block_m, tiling.qk, acc_dtype)
 
-    tile = DqTile(q, d_out, stats.lse_base2[:, None], stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
+    lse = alibi_shifted_lse(stats.lse_base2[:, None], q_tile, 0, scoring, Q.dtype, False)
+    tile = DqTile(q, d_out, lse, stats.delta[:, None], K, V, b, kv_head, q_tile, rows, scoring)
     if block_sparse:
         d_query = over_listed_tiles(_dq_step, tile_lists(MaskCounts, MaskTiles, seq, q_head), q_tile, d_query, tile)
     else:

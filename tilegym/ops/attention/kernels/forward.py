@@ -17,7 +17,14 @@ from tilegym.ops.attention.kernels.head import (
     load_head,
     store_head,
 )
-from tilegym.ops.attention.kernels.modifiers import head_mods, keeps_raw_scores, raw_scores, scores, softcap_values
+from tilegym.ops.attention.kernels.modifiers import (
+    alibi_true_row_max,
+    head_mods,
+    keeps_raw_scores,
+    raw_scores,
+    scores,
+    softcap_values,
+)
 from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
@@ -59,7 +66,7 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
     cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
     raw_units = keeps_raw_scores(scoring.switches)
     if raw_units:
-        step_scores = raw_scores(raw, tile.q_tile, kv_tile, scoring)
+        step_scores = raw_scores(raw, tile.q_tile, kv_tile, scoring, tile.q.main.dtype)
     else:
         step_scores, _, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
     if masked:
@@ -291,6 +298,8 @@ def attention_forward_kernel(
         state = over_listed_tiles(_forward_step, tile_lists(MaskCounts, MaskTiles, seq, q_head), q_tile, state, tile)
     else:
         state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
+    row_max = alibi_true_row_max(state.row_max, q_tile, scoring, Q.dtype, keeps_raw_scores(switches))
+    state = ForwardState(row_max, state.row_sum, state.acc)
 
     if with_sinks:
         state = _with_sink(state, Sinks, q_head, keeps_raw_scores(switches), qk_scale_log2, tiling.value)

@@ -45,13 +45,81 @@ def keeps_raw_scores(switches):
 
 
 @ct.function
-def raw_scores(raw, q_tile, kv_tile, scoring):
+def raw_scores(raw, q_tile, kv_tile, scoring, input_dtype):
     """Raw products q.k, minus ALiBi's slope / scale * distance where it is on: scores in raw
-    units for a forward that keeps them (keeps_raw_scores), which saves a multiply per score."""
+    units for a forward that keeps them (keeps_raw_scores), which saves a multiply per score.
+    Shifted ALiBi (alibi_shifted) adds its per-key part alone."""
     if scoring.switches.alibi:
         raw_slope = scoring.mods.slope_log2 / scoring.qk_scale_log2
+        if alibi_shifted(scoring, input_dtype):
+            return _alibi_key_terms(raw_slope, q_tile, kv_tile, scoring, False, raw.dtype) + raw
         return (-raw_slope) * _alibi_distances(q_tile, kv_tile, scoring, False, raw.dtype) + raw
     return raw
+
+
+@ct.function
+def alibi_shifted(scoring, input_dtype):
+    """Whether ALiBi's term -slope * (i + d - j), d = Sk - Sq, is split in two: a per-key part,
+    slope * key_offset_j, added to each score, and a per-query part, -slope * query_offset_i,
+    left to the row statistics (key_offset_j - query_offset_i = j - i - d). It costs an add
+    per score instead of a distance and a fused multiply-add, and the backward folds the
+    per-query part into the LSE it subtracts anyway (perf-notes#alibi-shifted).
+
+    Causal only, where every visible pair has j <= i + d, so the distance needs no abs (a
+    window or a full mask keeps the distance). Not with a score function, which sees true
+    scores. 16-bit inputs only: a shifted score carries slope * query_offset_i (up to slope /
+    scale * block_m), whose rounding adds some 1e-5 to the LSE; float32 and float64 inputs keep
+    the exact distance. Offsets count from the tile's own diagonal (forward, dQ) or key tile
+    (dK/dV), so far pairs, whose scores vanish, carry the large numbers."""
+    switches = scoring.switches
+    sixteen_bits = input_dtype == ct.float16 or input_dtype == ct.bfloat16
+    return switches.alibi and scoring.causal and switches.user.score_mod is None and sixteen_bits
+
+
+@ct.function
+def _alibi_key_terms(slope, q_tile, kv_tile, scoring, transposed: ConstBool, dtype):
+    """slope * key_offset_j of shifted ALiBi: key_offset_j is j - (q0 + d), q0 the query tile's
+    first row ([1, block_n]), or j - j0, j0 the key tile's first key ([block_n, 1]) when
+    transposed. slope * (j - j_first) is the same for every tile (computed once), so a tile
+    costs one add per column."""
+    tiling, lengths = scoring.tiling, scoring.seqlens
+    if transposed:
+        return slope * ct.arange(tiling.block_n, dtype=dtype)[:, None]
+    first = kv_tile * tiling.block_n - (q_tile * tiling.block_m + (lengths.k - lengths.q))
+    return slope * ct.arange(tiling.block_n, dtype=dtype)[None, :] + slope * ct.astype(first, dtype)
+
+
+@ct.function
+def alibi_query_offsets(q_tile, kv_tile, scoring, transposed: ConstBool, dtype):
+    """query_offset_i of shifted ALiBi as floats, which the row statistics take: i - q0
+    ([block_m, 1]), or i + d - j0 ([1, block_m]) when transposed (alibi_shifted)."""
+    tiling, lengths = scoring.tiling, scoring.seqlens
+    if transposed:
+        first = q_tile * tiling.block_m + (lengths.k - lengths.q) - kv_tile * tiling.block_n
+        return _positions(first, tiling.block_m, False, dtype)
+    return ct.arange(tiling.block_m, dtype=dtype)[:, None]
+
+
+@ct.function
+def alibi_shifted_lse(lse_log2, q_tile, kv_tile, scoring, input_dtype, transposed: ConstBool):
+    """The base-2 LSE that shifted scores (alibi_shifted) subtract: exp2(shifted - result) is
+    exp2(true score - lse_log2). lse_log2 itself where ALiBi is not shifted."""
+    if alibi_shifted(scoring, input_dtype):
+        offsets = alibi_query_offsets(q_tile, kv_tile, scoring, transposed, lse_log2.dtype)
+        return scoring.mods.slope_log2 * offsets + lse_log2
+    return lse_log2
+
+
+@ct.function
+def alibi_true_row_max(row_max, q_tile, scoring, input_dtype, raw_units: ConstBool):
+    """A forward's row max of shifted scores (alibi_shifted) as the row max of true scores (raw
+    units or base 2, as the loop kept them); row_max itself where ALiBi is not shifted."""
+    if alibi_shifted(scoring, input_dtype):
+        slope = scoring.mods.slope_log2
+        if raw_units:
+            slope = slope / scoring.qk_scale_log2
+        return (-slope) * alibi_query_offsets(q_tile, 0, scoring, False, row_max.dtype) + row_max
+    return row_max
 
 
 @ct.function
@@ -107,7 +175,8 @@ def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: C
     raw is [block_m, block_n], or [block_n, block_m] when transposed (the dK/dV kernel).
     In natural units: s = scale * q.k, then s = softcap * tanh(s / softcap), then
     s += bias - slope * |i + Sk - Sq - j|, then s = score_mod(s, ...). Plain attention is one
-    multiply.
+    multiply. Shifted ALiBi (alibi_shifted) adds its per-key part only: the caller's row
+    statistics take the rest (alibi_shifted_lse, alibi_true_row_max).
     """
     mods, switches = scoring.mods, scoring.switches
     if switches.capped:
@@ -124,7 +193,9 @@ def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: C
         tiling = scoring.tiling
         bias = _bias_tile(mods, q_tile, kv_tile, tiling.block_m, tiling.block_n, switches.bias_mode, transposed)
         result = result + bias.astype(raw.dtype) * log2e(raw.dtype)
-    if switches.alibi:
+    if alibi_shifted(scoring, input_dtype):
+        result = _alibi_key_terms(mods.slope_log2, q_tile, kv_tile, scoring, transposed, raw.dtype) + result
+    elif switches.alibi:
         result = (-mods.slope_log2) * _alibi_distances(q_tile, kv_tile, scoring, transposed, raw.dtype) + result
     builtin = switches.capped or switches.bias_mode != BIAS_NONE or switches.alibi
     result, natural = user_scored(result, raw, scoring, rows, cols, builtin)
