@@ -1,3 +1,4 @@
+import contextlib
 import os
 import zlib
 
@@ -17,6 +18,16 @@ def _seed_per_test(request):
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def force_config():
+    """force_config(kernel name, config): launches of that kernel use the config, tuning aside,
+    until the test ends (autotune.force_config)."""
+    from tilegym import autotune
+
+    with contextlib.ExitStack() as stack:
+        yield lambda kernel_name, config: stack.enter_context(autotune.force_config(kernel_name, config))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,5 @@
 """Attention on the GPU against a float64 reference; every test skips without CUDA."""
 
-import contextlib
 import math
 
 import pytest
@@ -19,9 +18,10 @@ from tests.ops.attention_cases import (
     assert_close_to_reference,
     make_inputs,
     max_error,
+    ran_with,
 )
 from tests.ops.conftest import requires_cuda
-from tilegym import autotune, fmha_forward_with_lse, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym import fmha_forward_with_lse, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import configs, dispatch, launch
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_reference, causal_mask
@@ -206,18 +206,6 @@ FIXED_MAX_CONFIGS = [
 ]
 
 
-@pytest.fixture
-def force_config():
-    """force_config(kernel name, config): launches of that kernel use the config, tuning aside,
-    until the test ends (autotune.force_config)."""
-    with contextlib.ExitStack() as stack:
-        yield lambda kernel_name, config: stack.enter_context(autotune.force_config(kernel_name, config))
-
-
-def _ran_with(kernel_name, config) -> bool:
-    return any(key[0] == kernel_name and chosen[0] == config for key, chosen in autotune._chosen.items())
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("square", [False, True], ids=["300-queries", "square"])
 @pytest.mark.parametrize(("head_dim", "config"), FIXED_MAX_CONFIGS)
@@ -228,7 +216,7 @@ def test_op_attention_fixed_max_forward_for_long_sequences(head_dim, config, squ
     case = Case("fixed-max", 1, 2, 1, seqlen_k if square else 300, seqlen_k, head_dim)
     _assert_fixed_max_chosen(*make_inputs(case, torch.bfloat16), causal)
     check_forward_and_backward(case, torch.bfloat16, causal)
-    assert _ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -246,7 +234,7 @@ def test_op_attention_fixed_max_forward_recomputes_after_overflow(head_dim, conf
     base_out, _ = _sdpa_baseline(q, k, v, torch.randn_like(q), problem.softmax_scale, causal)
     out, lse = _poisoned_like(q), _poisoned_like(ref_lse, torch.float32)
     launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse)
-    assert _ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
     assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
     assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
 

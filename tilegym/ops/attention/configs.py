@@ -140,6 +140,9 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
 _SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED | {
     128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
 }
+# Causal ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward): plain
+# attention's 128x128 at D=128; at D=64 that spills (2 local stores, causal) and 128x64 does not.
+_SM90_FORWARD_FIXED_MAX_ALIBI = {64: [_c(128, 64, num_worker_warps=8)], 128: [_c(128, 128, num_worker_warps=8)]}
 # Its dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
 # there, bwd -8 to -10% (perf-notes#function-dkdv), and clean since it converts integer positions.
 _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
@@ -310,6 +313,8 @@ MODIFIED_TABLES = {
 ALIBI_TABLES = {
     ("sm_90", FORWARD): _SM90_FORWARD_ALIBI,
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_ALIBI,
+    ("sm_90", FORWARD_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_ALIBI,
+    ("sm_90", FORWARD_LSE_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_ALIBI,
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
     ("sm_90", BACKWARD_FUSED_GROUPED): _SM90_FUSED_GROUPED_ALIBI,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,

@@ -92,10 +92,12 @@ def split_dkdv(problem: AttentionProblem, candidates) -> bool:
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
-    plain attention (sinks allowed) with enough keys per query for it to win, where the arch has a table for it
-    (16-bit inputs; fp32 and fp64 keep the running max). Not with int64 indexing: that twin of
-    the fixed-max kernel compiles to a 1.7 MB cubin, where the running-max one is ordinary."""
-    if not problem.mods.plain_scores or problem.wide_index or not candidates(FORWARD_FIXED_MAX):
+    plain attention (sinks allowed), or causal ALiBi alone, with enough keys per query for it to
+    win, where the arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
+    Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
+    the running-max one is ordinary."""
+    causal_alibi = problem.causal and problem.mods.switches == frozenset({"alibi"})
+    if not (problem.mods.plain_scores or causal_alibi) or problem.wide_index or not candidates(FORWARD_FIXED_MAX):
         return False
     min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.tuning_head_dim)]
     return mean_keys_per_query(problem) >= min_keys

@@ -47,6 +47,9 @@ ANY_SCORES = (SCORE_SWITCHES,)
 # its plain tables, and with ALiBi on tables of its own (configs.ALIBI_TABLES); with both
 # together, and with softcap, it spilled (sm_90: 21 and up to 289 local loads).
 WINDOW_OR_ALIBI = (frozenset({"windowed"}), frozenset({"alibi"}))
+# The fixed-max forward: plain scores, or ALiBi alone, whose scores fall with distance from the
+# diagonal it starts from (kernels/forward.py, _key_loops).
+PLAIN_OR_ALIBI = (frozenset({"alibi"}),)
 
 
 def _variant(name, kernel_name, grid, about, modifiers=ANY_SCORES, default=True, **fixed) -> Variant:
@@ -101,7 +104,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "inference forward, a fixed row max per query tile",
-                modifiers=PLAIN_SCORES,
+                modifiers=PLAIN_OR_ALIBI,
                 default=False,
                 write_lse=False,
                 fixed_max=True,
@@ -111,7 +114,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "training forward, a fixed row max per query tile",
-                modifiers=PLAIN_SCORES,
+                modifiers=PLAIN_OR_ALIBI,
                 default=False,
                 write_lse=True,
                 fixed_max=True,
