@@ -169,6 +169,9 @@ def ratios(function: str, times: dict) -> dict:
         result["flex / ours"] = times["flex"] / ours
     if "switch" in times:
         result["ours function / switch"] = ours / times["switch"]
+        result["switch / plain"] = times["switch"] / times["plain"]
+        if "flex" in times:
+            result["flex / switch"] = times["flex"] / times["switch"]
     result["ours function / plain"] = ours / times["plain"]
     if "packed" in times:
         result["packed / mask"] = times["packed"] / ours
@@ -177,8 +180,9 @@ def ratios(function: str, times: dict) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = [
-        "| function | S | ours (ms) | built-in switch | plain | FlexAttention | FlexAttention / ours | packed / mask |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| function | S | ours (ms) | built-in switch | plain | FlexAttention | FlexAttention / ours "
+        "| FlexAttention / switch | ours / plain | switch / plain | packed / mask |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in results:
         t, r = row["times"], row["ratios"]
@@ -188,7 +192,8 @@ def markdown(results: list[dict]) -> str:
 
         lines.append(
             f"| {row['function']} | {row['seqlen']} | {cell('function')} | {cell('switch')} | {cell('plain')} | "
-            f"{cell('flex')} | {cell('flex / ours', r)} | {cell('packed / mask', r)} |"
+            f"{cell('flex')} | {cell('flex / ours', r)} | {cell('flex / switch', r)} | "
+            f"{cell('ours function / plain', r)} | {cell('switch / plain', r)} | {cell('packed / mask', r)} |"
         )
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from tests.ops.attention_cases import (
     capture_training_step,
     make_inputs,
     max_error,
+    ran_with,
 )
 from tests.ops.conftest import requires_cuda
 from tilegym import (
@@ -34,6 +35,7 @@ from tilegym import (
     tile_fmha_functional,
     tile_fmha_with_backward,
 )
+from tilegym.ops.attention import configs
 from tilegym.ops.attention import score_functions as sf
 from tilegym.ops.attention.reference import attention_reference
 
@@ -189,6 +191,30 @@ def check_case(case: Case, dtype, causal: bool, build):
 def test_op_attention_programmable(name):
     case, causal, build = CASES[name]
     check_case(case, torch.bfloat16, causal, build)
+
+
+# The fused backward with a mask function alone, forced on rows shorter than "auto" fuses from
+# (D=128, 2048 keys): D=64 and 128, causal and not, grouped queries without a causal mask (causal
+# ones take two kernels: the grouped form takes no mask), Sq != Sk.
+FUSED_MASK_CASES = {
+    "documents-causal-d128": (Case("docs-d128", 2, 4, 4, 300, 300, 128), True, _documents),
+    "documents-gqa-d128": (Case("docs-gqa", 1, 8, 2, 257, 257, 128), False, _documents),
+    "documents-causal-d64": (Case("docs-d64", 2, 4, 4, 300, 300, 64), True, _documents),
+    "prefix-lm-d128": (Case("prefix-d128", 2, 4, 4, 300, 300, 128), False, _prefix_lm),
+    "window-globals-causal": (Case("wide-mha", 2, 2, 2, 333, 333, 128), True, _window_globals),
+    "key-padding-sq-lt-sk": (Case("sq-lt-sk", 2, 4, 4, 100, 300, 128), False, _key_padding),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_MASK_CASES))
+def test_op_attention_masks_fused_backward(name, monkeypatch, force_config):
+    case, causal, build = FUSED_MASK_CASES[name]
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    fused = "attention_backward_fused"
+    config = configs.candidates(fused, "sm_90", case.head_dim, 2, configs.ScoreTables.MASKS)[0]
+    force_config(fused, config)
+    check_case(case, torch.bfloat16, causal, build)
+    assert ran_with(fused, config)
 
 
 @pytest.mark.parametrize("name", ["softcap-gqa-causal", "relative-table", "documents-causal", "key-padding-causal"])

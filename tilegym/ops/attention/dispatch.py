@@ -25,7 +25,8 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # Where each key tile sees few query tiles, the fused backward won only at D=128: with a sliding
 # window of 1024 keys (bwd +4-11% at 4096 and 16384 keys, D=64 -1 to -9%;
 # perf-notes#fused-backward-window) and on packed batches of lengths in [128, 4096] (bwd 0 to
-# +10%, D=64 causal -6%; perf-notes#fused-backward-packed). Keyed by head-dim tile.
+# +10%, D=64 causal -6%; perf-notes#fused-backward-packed), and a mask function (a document
+# mask at 16384 keys: bwd -11%; perf-notes#fused-backward-masks). Keyed by head-dim tile.
 FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 # With ALiBi the fused backward runs on tiles of its own (configs.ALIBI_TABLES): at D=64 bwd
 # +0.4-4% over two kernels, at D=128 (64x64 tiles) -1 to +3% and fwd+bwd up to 6% slower
@@ -51,11 +52,11 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
     Fused only for calls, dense or packed, whose score switches the variant takes (a sliding
-    window or ALiBi, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
+    window, ALiBi or a mask function, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
     fused table (candidates(name) is not empty), never under torch.use_deterministic_algorithms
     (the order of the fp32 sums varies between runs); "auto" also needs
-    FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window or
-    packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES, with ALiBi one in
+    FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
+    function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES, with ALiBi one in
     FUSED_ALIBI_HEAD_DIM_TILES. Causal grouped-query attention takes
     the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
@@ -73,7 +74,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     if choice == "fused":
         return name
     tile = configs.head_dim_tile(problem.tuning_head_dim)
-    short_loops = problem.mods.window is not None or problem.packing is not None
+    masks = problem.mods.user is not None and problem.mods.user.mask_mod is not None
+    short_loops = problem.mods.window is not None or problem.packing is not None or masks
     if short_loops and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
         return None
     if problem.mods.alibi and tile not in FUSED_ALIBI_HEAD_DIM_TILES:
