@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tests.ops.attention_cases import EPS, assert_close_to_reference, capture_training_step, max_error
+from tests.ops.attention_cases import EPS, assert_close_to_reference, capture_training_step, max_error, ran_with
 from tests.ops.conftest import requires_cuda
 from tests.ops.test_attention_varlen_cpu import BAD_LENGTH_ARGUMENTS, valid_arguments
 from tilegym import create_block_mask, tile_fmha_functional, tile_fmha_varlen
-from tilegym.ops.attention import dispatch
+from tilegym.ops.attention import configs, dispatch
 from tilegym.ops.attention import score_functions as sf
 from tilegym.ops.attention.reference import attention_reference, causal_mask
 
@@ -459,6 +459,30 @@ def test_op_varlen_modifiers(name, lse_grad):
     causal, build = MODIFIERS[name]
     batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2)
     check(batch, causal, build(4, batch.sequences), lse_grad)
+
+
+_STEEP_SLOPES = (0.5, 0.25, 2**-4, 2**-8)
+# A sequence long enough for the fixed-max forward (D=128, causal: from 2048 keys per query on
+# average) among short ones, Lq != Lk in it; ALiBi's fixed max comes from the diagonal's tiles.
+FIXED_MAX_PACKED = {
+    "plain": lambda n: {},
+    "alibi-per-head": lambda n: {"alibi_slopes": torch.tensor(_STEEP_SLOPES, device=DEVICE)},
+    "alibi-per-sequence-sinks": lambda n: {
+        "alibi_slopes": torch.tensor(_STEEP_SLOPES, device=DEVICE).repeat(n, 1),
+        "sinks": _sinks(4),
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(FIXED_MAX_PACKED))
+def test_op_varlen_fixed_max_forward(name, force_config):
+    batch = pack([4300, 40, 0, 700], [4400, 33, 9, 700], 4, 2, 128)
+    kwargs = FIXED_MAX_PACKED[name](batch.sequences)
+    tables = configs.ScoreTables.ALIBI if "alibi_slopes" in kwargs else configs.ScoreTables.PLAIN
+    config = configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", 128, 2, tables)[0]
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    check(batch, True, kwargs)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
