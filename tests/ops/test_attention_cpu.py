@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tilegym import index_width, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
-from tilegym.ops.attention import configs, dispatch, launch, score_mods
+from tilegym.ops.attention import configs, dispatch, launch, programmable, score_functions, score_mods
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
 from tilegym.ops.attention.score_mods import ScoreMods
@@ -542,6 +542,13 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     assert names == ([configs.BACKWARD_PREPROCESS, expected] if expected else two_kernels)
 
 
+_DOCUMENTS = score_functions.document_mask(torch.zeros(1, 8, dtype=torch.int32))
+_MASK_ALONE = ScoreMods(user=programmable.user_functions(mask_mod=_DOCUMENTS["mask_mod"]))
+_SCORE_AND_MASK = ScoreMods(
+    user=programmable.user_functions(**score_functions.softcap(30.0), mask_mod=_DOCUMENTS["mask_mod"])
+)
+
+
 @pytest.mark.parametrize(
     "mods, head_dim, fused",
     [
@@ -552,8 +559,22 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
         (ScoreMods(alibi=True), 64, True),  # on tables of its own (configs.ALIBI_TABLES)
         (ScoreMods(alibi=True), 128, False),  # no faster there (FUSED_ALIBI_HEAD_DIM_TILES)
+        (_MASK_ALONE, 128, True),  # a mask function hides scores as a window does
+        (_MASK_ALONE, 64, False),  # FUSED_SHORT_LOOPS_HEAD_DIM_TILES
+        (_SCORE_AND_MASK, 128, False),  # a score function is not in Variant.modifiers
     ],
-    ids=["window", "window-sinks-d96", "window-d64", "softcap", "window-softcap", "alibi", "alibi-d128"],
+    ids=[
+        "window",
+        "window-sinks-d96",
+        "window-d64",
+        "softcap",
+        "window-softcap",
+        "alibi",
+        "alibi-d128",
+        "mask",
+        "mask-d64",
+        "score-and-mask",
+    ],
 )
 def test_op_fused_backward_takes_only_the_switches_it_compiles_with(monkeypatch, mods, head_dim, fused):
     monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
@@ -685,6 +706,11 @@ MIN_FIXED_MAX = dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
         (64, 2 * MIN_FIXED_MAX[64] - 1, 2 * MIN_FIXED_MAX[64] - 1, True, torch.bfloat16, None, True),
         (128, 8, MIN_FIXED_MAX[128], False, torch.float32, None, False),  # fp32 keeps the running max
         (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(softcap=30.0), False),  # modified scores
+        # Causal ALiBi alone: its fixed max comes from the diagonal's tiles; not without a causal mask.
+        (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(alibi=True), True),
+        (64, 8, MIN_FIXED_MAX[64] + 4, True, torch.float16, ScoreMods(alibi=True), True),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(alibi=True), False),
+        (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(alibi=True, softcap=30.0), False),
         (256, 8, 1 << 16, False, torch.bfloat16, None, False),  # no table
         (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, "wide", False),  # int64 indexing
     ],

@@ -74,7 +74,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     if choice == "fused":
         return name
     tile = configs.head_dim_tile(problem.tuning_head_dim)
-    masks = problem.mods.user is not None and problem.mods.user.mask_mod is not None
+    masks = "masks" in problem.mods.switches
     short_loops = problem.mods.window is not None or problem.packing is not None or masks
     if short_loops and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
         return None
