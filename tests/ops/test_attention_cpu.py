@@ -884,16 +884,27 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
         assert grid == (math.ceil((35 if keys else 30) / block), heads, 2), name
 
 
-@pytest.mark.parametrize("head_dim, fused", [(128, True), (64, False)])
-def test_op_packed_backward_design_choice(monkeypatch, head_dim, fused):
+@pytest.mark.parametrize(
+    "head_dim, causal, mods, fused",
+    [
+        (128, True, score_mods.PLAIN, True),
+        (64, True, score_mods.PLAIN, False),
+        (64, False, score_mods.PLAIN, True),  # FUSED_PACKED_FULL_HEAD_DIM_TILES
+        (64, False, ScoreMods(window=(64, 64)), False),
+        (128, False, ScoreMods(window=(64, 64)), True),
+    ],
+    ids=["d128-causal", "d64-causal", "d64-full", "d64-window", "d128-window"],
+)
+def test_op_packed_backward_design_choice(monkeypatch, head_dim, causal, mods, fused):
     """ "auto" on a packed batch whose longest sequence has FUSED_BACKWARD_MIN_SEQLEN_K keys: the
-    fused backward at D=128 only (dispatch.FUSED_SHORT_LOOPS_HEAD_DIM_TILES)."""
+    fused backward at D=128 (dispatch.FUSED_SHORT_LOOPS_HEAD_DIM_TILES), and without any mask at
+    D=64 too (FUSED_PACKED_FULL_HEAD_DIM_TILES)."""
     from tilegym.ops.attention.problem import Packing
 
     monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
     seqlen = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K
     problem = problem_mod.AttentionProblem(
-        2, 2, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, True, packing=Packing(seqlen + 5, seqlen + 5)
+        2, 2, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal, mods, packing=Packing(seqlen + 5, seqlen + 5)
     )
     chosen = dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False)
     assert chosen == (configs.BACKWARD_FUSED if fused else None)

@@ -917,11 +917,17 @@ def test_op_varlen_fused_backward_sinks_window(head_dim, monkeypatch):
     check(batch, True, {"sinks": _sinks(4), "window_size": (32, 0)}, lse_grad=True)
 
 
-def test_op_varlen_fused_backward_chosen_for_long_sequences():
+@pytest.mark.parametrize(("head_dim", "causal"), [(128, True), (64, False)], ids=["d128-causal", "d64-full"])
+def test_op_varlen_fused_backward_chosen_for_long_sequences(head_dim, causal, force_config):
     """A sequence past FUSED_BACKWARD_MIN_SEQLEN_K keys among short ones: "auto" picks the fused
-    backward for the whole batch."""
+    backward for the whole batch (at D=64 only without a causal mask; causal query groups take
+    its grouped form)."""
+    fused = configs.BACKWARD_FUSED_GROUPED if causal else configs.BACKWARD_FUSED
+    config = configs.candidates(fused, "sm_90", head_dim, 2)[0]
+    force_config(fused, config)
     long = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K + 37
-    check(pack([long, 17, 0, 301], [long, 17, 5, 301], 4, 2, 128), True, lse_grad=True)
+    check(pack([long, 17, 0, 301], [long, 17, 5, 301], 4, 2, head_dim), causal, lse_grad=True)
+    assert ran_with(fused, config)
 
 
 # ---- determinism -------------------------------------------------------------------------------

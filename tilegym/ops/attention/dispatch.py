@@ -28,6 +28,9 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # +10%, D=64 causal -6%; perf-notes#fused-backward-packed), and a mask function (a document
 # mask at 16384 keys: bwd -11%; perf-notes#fused-backward-masks). Keyed by head-dim tile.
 FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
+# Packed without a causal mask (nor a window or a mask function) the fused backward also won at
+# D=64: bwd -4 to -5%, fwd+bwd -3 to -8% (causal: +6%; perf-notes#fused-backward-packed).
+FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
 # With ALiBi the fused backward runs on tiles of its own (configs.ALIBI_TABLES): at D=64 bwd
 # +0.4-4% over two kernels, at D=128 (64x64 tiles) -1 to +3% and fwd+bwd up to 6% slower
 # (perf-notes#alibi-tables). Keyed by head-dim tile.
@@ -56,7 +59,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     fused table (candidates(name) is not empty), never under torch.use_deterministic_algorithms
     (the order of the fp32 sums varies between runs); "auto" also needs
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
-    function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES, with ALiBi one in
+    function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
+    FUSED_PACKED_FULL_HEAD_DIM_TILES), with ALiBi one in
     FUSED_ALIBI_HEAD_DIM_TILES. Causal grouped-query attention takes
     the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
@@ -75,8 +79,11 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return name
     tile = configs.head_dim_tile(problem.tuning_head_dim)
     masks = "masks" in problem.mods.switches
-    short_loops = problem.mods.window is not None or problem.packing is not None or masks
-    if short_loops and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
+    hidden = problem.mods.window is not None or masks
+    if problem.packing is not None and not (problem.causal or hidden):
+        if tile not in FUSED_PACKED_FULL_HEAD_DIM_TILES:
+            return None
+    elif (hidden or problem.packing is not None) and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
         return None
     if problem.mods.alibi and tile not in FUSED_ALIBI_HEAD_DIM_TILES:
         return None
