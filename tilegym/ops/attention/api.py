@@ -441,7 +441,7 @@ def _packed_custom_op(
     functions = _operator_functions(programs, training, differentiable)
     tensors = (q, k, v, mods.alibi_slopes, mods.sinks)
     if not differentiable:
-        tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
+        tensors = _detached(tensors)
     q, k, v, alibi_slopes, sinks = tensors
     window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
     return custom_ops.attention_varlen(
@@ -461,8 +461,7 @@ def _operator_takes(programs: CallerFunctions | None) -> bool:
     torch.compile runs other calls eagerly, at a graph break."""
     if programs is None:
         return True
-    given = (programs.score_mod, programs.score_mod_grad, programs.aux_grad, programs.mask_mod)
-    return programs.block_mask is None and closure_free(*given)
+    return programs.block_mask is None and closure_free(*programs.functions)
 
 
 def _custom_op(
@@ -475,7 +474,7 @@ def _custom_op(
     functions = _operator_functions(programs, training, differentiable)
     tensors = (q, k, v, mods.attn_bias, mods.alibi_slopes, mods.sinks)
     if not differentiable:
-        tensors = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])
+        tensors = _detached(tensors)
     q, k, v, attn_bias, alibi_slopes, sinks = tensors
     # The schema takes a list of ints; anything else fails its check, which names the argument.
     window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
@@ -494,9 +493,11 @@ def _operator_functions(programs: CallerFunctions | None, training: bool, differ
     if programs is None:
         return "", [], []
     aux, mask_aux = programs.aux_tensors(), CallerFunctions.aux_tensors_of(programs.mask_aux)
-    given = (programs.score_mod, programs.score_mod_grad, programs.aux_grad, programs.mask_mod)
     aux_requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in aux)
-    key = operator_key(*given, training, aux_requires_grad)
-    if not differentiable:
-        aux = tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in aux])
-    return key, list(aux), list(mask_aux)
+    key = operator_key(*programs.functions, training, aux_requires_grad)
+    return key, list(aux if differentiable else _detached(aux)), list(mask_aux)
+
+
+def _detached(tensors: tuple) -> tuple:
+    """tensors without autograd history (non-tensors, None included, as they are)."""
+    return tuple([t.detach() if isinstance(t, torch.Tensor) else t for t in tensors])

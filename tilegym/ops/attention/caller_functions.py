@@ -39,6 +39,11 @@ class CallerFunctions:
     def of(cls, *given) -> "CallerFunctions | None":
         return None if all(value is None for value in given) else cls(*given)
 
+    @property
+    def functions(self) -> tuple:
+        """(score_mod, score_mod_grad, aux_grad, mask_mod), None where not given."""
+        return self.score_mod, self.score_mod_grad, self.aux_grad, self.mask_mod
+
     def aux_tensors(self) -> tuple:
         return self.aux_tensors_of(self.aux)
 

@@ -142,7 +142,7 @@ _SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED | {
 }
 # Causal ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward): plain
 # attention's 128x128 at D=128; at D=64 that spills (2 local stores, causal) and 128x64 does not.
-_SM90_FORWARD_FIXED_MAX_ALIBI = {64: [_c(128, 64, num_worker_warps=8)], 128: [_c(128, 128, num_worker_warps=8)]}
+_SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_worker_warps=8)]}
 # Its dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
 # there, bwd -8 to -10% (perf-notes#function-dkdv), and clean since it converts integer positions.
 _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
@@ -319,13 +319,11 @@ ALIBI_TABLES = {
     ("sm_90", BACKWARD_FUSED_GROUPED): _SM90_FUSED_GROUPED_ALIBI,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,
 }
-# A mask function alone: the fused backward on plain attention's D=128 tiles, dK/dV 11% faster
-# than two kernels at 16384 keys with a document mask (level at 4096), though the document mask
-# spills there (17 local stores; a window with global tokens and prefix-LM do not); 64x64 tiles,
-# clean, were 15-45% slower (perf-notes#fused-backward-masks). "auto" fuses it at D=128 only.
-_SM90_FUSED_MASKED = {64: _SM90_FUSED[64], 128: [_c(64, 128, num_worker_warps=8)]}
+# A mask function alone runs the fused backward on plain attention's tables (TABLES): at D=128
+# the document mask spills there (17 local stores; a window with global tokens and prefix-LM do
+# not) and still ran 11% faster than two kernels at 16384 keys; 64x64 tiles, clean, were 15-45%
+# slower (perf-notes#fused-backward-masks).
 MASK_TABLES = {
-    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_MASKED,
     ("sm_90", FORWARD): _SM90_FORWARD_MASKED,
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_MASKED,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,

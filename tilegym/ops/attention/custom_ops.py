@@ -127,16 +127,27 @@ def _attention_backward_fake(
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, _, key, aux, mask_aux = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *aux, *mask_aux)
-    ctx.set_materialize_grads(False)  # an unused LSE's gradient arrives as None, not zeros
+    _save(ctx, (q, k, v, out, lse, attn_bias, alibi_slopes, sinks), key, aux, mask_aux)
     ctx.settings = (scaling, is_causal, window_size, softcap)
-    ctx.functions = (key, len(aux))
+
+
+def _save(ctx, tensors: tuple, key: str, aux: list, mask_aux: list) -> None:
+    """Saves an operator's tensors, the caller's functions' after them (_saved reads them back)."""
+    ctx.save_for_backward(*tensors, *aux, *mask_aux)
+    ctx.set_materialize_grads(False)  # an unused LSE's gradient arrives as None, not zeros
+    ctx.functions = (len(tensors), key, len(aux))
+
+
+def _saved(ctx) -> tuple:
+    """(the tensors _save was given, the functions' key, aux, mask_aux)."""
+    count, key, aux_count = ctx.functions
+    saved = ctx.saved_tensors
+    user_tensors = saved[count:]
+    return saved[:count], key, list(user_tensors[:aux_count]), list(user_tensors[aux_count:])
 
 
 def _backward(ctx, d_out, d_lse):
-    q, k, v, out, lse, attn_bias, alibi_slopes, sinks, *user_tensors = ctx.saved_tensors
-    key, aux_count = ctx.functions
-    aux, mask_aux = user_tensors[:aux_count], user_tensors[aux_count:]
+    (q, k, v, out, lse, attn_bias, alibi_slopes, sinks), key, aux, mask_aux = _saved(ctx)
     bias_grad, sinks_grad = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
     if d_out is None:
         d_out = torch.zeros_like(out)
@@ -273,17 +284,13 @@ def _setup_varlen_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, *settings = inputs
     *settings, key, aux, mask_aux = settings
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *aux, *mask_aux)
-    ctx.set_materialize_grads(False)
+    _save(ctx, (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks), key, aux, mask_aux)
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.settings = tuple(settings)
-    ctx.functions = (key, len(aux))
 
 
 def _varlen_backward(ctx, d_out, d_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *user_tensors = ctx.saved_tensors
-    key, aux_count = ctx.functions
-    aux, mask_aux = user_tensors[:aux_count], user_tensors[aux_count:]
+    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks), key, aux, mask_aux = _saved(ctx)
     sinks_grad = ctx.needs_input_grad[8]
     if d_out is None:
         d_out = torch.zeros_like(out)

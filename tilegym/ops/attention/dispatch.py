@@ -105,8 +105,11 @@ def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     win, where the arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
     Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
     the running-max one is ordinary."""
-    causal_alibi = problem.causal and problem.mods.switches == frozenset({"alibi"})
-    if not (problem.mods.plain_scores or causal_alibi) or problem.wide_index or not candidates(FORWARD_FIXED_MAX):
+    # The variant's switches say which calls it takes; its ALiBi needs the causal diagonal.
+    takes = VARIANTS[FORWARD_FIXED_MAX].takes_switches(problem.mods.switches)
+    if not takes or (problem.mods.alibi and not problem.causal):
+        return False
+    if problem.wide_index or not candidates(FORWARD_FIXED_MAX):
         return False
     min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.tuning_head_dim)]
     return mean_keys_per_query(problem) >= min_keys
