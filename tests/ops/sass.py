@@ -214,6 +214,35 @@ def count_instructions(text: str, opcode: str) -> int:
     return len(re.findall(rf"\b{opcode}\b", text))
 
 
+_ADDRESSED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_BRANCH_TARGET = re.compile(r"\bBRA\s+0x([0-9a-f]+)")
+
+
+def spills_in_matmul_loops(text: str) -> int:
+    """Local-memory instructions (LDL/STL) inside the innermost loops that issue warpgroup MMA:
+    the steps a kernel repeats per tile. A spill around them (a loop bound kept across a loop)
+    costs once per loop. Loops are the ranges of backward branches before the kernel's last
+    EXIT; the slow paths placed after it (barrier waits) jump back from there and are no loops."""
+    instructions = [(int(address, 16), body) for address, body in _ADDRESSED.findall(text)]
+    last_exit = max((address for address, body in instructions if re.search(r"\bEXIT\b", body)), default=0)
+    loops = []
+    for address, body in instructions:
+        target = _BRANCH_TARGET.search(body)
+        if target and address < last_exit and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    innermost = [
+        (start, end)
+        for start, end in loops
+        if not any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops)
+    ]
+    spills = 0
+    for start, end in innermost:
+        body = [text for address, text in instructions if start <= address <= end]
+        if any(re.search(r"\bHGMMA\b", line) for line in body):
+            spills += sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in body)
+    return spills
+
+
 def matmuls_serialized(text: str) -> bool:
     """Whether every warpgroup MMA (HGMMA) of a listing closes a group of its own (`gsb0`), so
     each is waited for alone: what ptxas does to a whole kernel when it finds too few registers

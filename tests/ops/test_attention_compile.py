@@ -64,10 +64,20 @@ def _runs_wide(name) -> bool:
     return not VARIANTS[name].fixed.get("fixed_max")
 
 
-def _check_sass(name, text):
-    """The sm_90 16-bit checks: no spills; HGMMA, pipelined; fp32 sums by TMA reductions."""
-    spills = sass.count_instructions(text, "LDL") + sass.count_instructions(text, "STL")
-    assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
+# (variant, score tables, head-dim tile) measured fast with a few values kept in local memory
+# around their loops, none inside: ALiBi's fused backward at D=128 (configs._SM90_FUSED_ALIBI).
+SPILLS_AROUND_LOOPS = {(configs.BACKWARD_FUSED, configs.ScoreTables.ALIBI, 128)}
+
+
+def _check_sass(name, text, spills_around_loops=False):
+    """The sm_90 16-bit checks: no spills (with spills_around_loops, none inside the loops that
+    issue matmuls); HGMMA, pipelined; fp32 sums by TMA reductions."""
+    if spills_around_loops:
+        spills = sass.spills_in_matmul_loops(text)
+        assert spills == 0, f"{spills} local-memory instructions (LDL/STL) inside the matmul loops"
+    else:
+        spills = sass.count_instructions(text, "LDL") + sass.count_instructions(text, "STL")
+        assert spills == 0, f"{spills} local-memory instructions (LDL/STL): registers spilled"
     if name not in ROW_REDUCTIONS:
         assert sass.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
         assert not sass.matmuls_serialized(text), "every HGMMA is waited for alone: too few registers to pipeline them"
@@ -196,7 +206,8 @@ def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches,
             cubin = sass.compile_cubin(kernel, dtype, head_dim, config, causal, "sm_90", path, switches)
             assert cubin.stat().st_size > 0
             if dtype != ct.float64:
-                _check_sass(kernel, sass.disassemble(cubin))
+                around = (kernel, tables, configs.head_dim_tile(head_dim)) in SPILLS_AROUND_LOOPS
+                _check_sass(kernel, sass.disassemble(cubin), spills_around_loops=around)
 
 
 # V's head dim narrower and wider than Q's (tables by the wider: configs.candidates); 192 runs

@@ -558,7 +558,8 @@ _SCORE_AND_MASK = ScoreMods(
         (ScoreMods(softcap=2.0), 128, False),  # spilled on the fused tables
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
         (ScoreMods(alibi=True), 64, True),  # on tables of its own (configs.ALIBI_TABLES)
-        (ScoreMods(alibi=True), 128, False),  # no faster there (FUSED_ALIBI_HEAD_DIM_TILES)
+        (ScoreMods(alibi=True), 128, True),
+        (ScoreMods(alibi=True, window=(64, 0)), 128, False),  # spilled (variants.WINDOW_OR_ALIBI)
         (_MASK_ALONE, 128, True),  # a mask function hides scores as a window does
         (_MASK_ALONE, 64, False),  # FUSED_SHORT_LOOPS_HEAD_DIM_TILES
         (_SCORE_AND_MASK, 128, False),  # a score function is not in Variant.modifiers
@@ -571,6 +572,7 @@ _SCORE_AND_MASK = ScoreMods(
         "window-softcap",
         "alibi",
         "alibi-d128",
+        "alibi-window",
         "mask",
         "mask-d64",
         "score-and-mask",

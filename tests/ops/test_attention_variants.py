@@ -198,14 +198,17 @@ def test_op_attention_alibi_scaling(scaling):
 
 # Causal ALiBi on 16-bit inputs splits its term into a per-key part in the scores and a per-query
 # part in the row statistics: steep slopes (1 and BLOOM's largest, 0.5, beside gentle ones), rows
-# many tiles long, queries before the keys (rows that see nothing) and after them, GQA.
+# many tiles long, queries before the keys (rows that see nothing) and after them, GQA; with
+# each backward (the fused one's grouped form with GQA).
+@pytest.mark.parametrize("backward", ["two-kernel", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "case",
     [Case("sq-lt-sk", 1, 8, 2, 650, 1100, 128), Case("sq-gt-sk", 2, 4, 4, 900, 500, 64)],
     ids=lambda c: c.why,
 )
-def test_op_attention_alibi_causal_steep_slopes(case, dtype):
+def test_op_attention_alibi_causal_steep_slopes(case, dtype, backward, monkeypatch):
+    monkeypatch.setenv("TILEGYM_BACKWARD", backward)
     slopes = torch.tensor([1.0, 0.5, 2**-4, 2**-8] * (case.q_heads // 4), device="cuda")
     check_variant(case, dtype, True, {"alibi_slopes": slopes})
 

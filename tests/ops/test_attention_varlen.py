@@ -917,6 +917,16 @@ def test_op_varlen_fused_backward_sinks_window(head_dim, monkeypatch):
     check(batch, True, {"sinks": _sinks(4), "window_size": (32, 0)}, lse_grad=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_op_varlen_fused_backward_alibi(head_dim, causal, monkeypatch):
+    """ALiBi per sequence and head, GQA; causal takes the grouped form. Sq != Sk per sequence."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    lengths_q, lengths_k = MIXED_Q + [90, 3], MIXED_K + [40, 0]
+    batch = pack(lengths_q, lengths_k, 4, 2, head_dim)
+    check(batch, causal, {"alibi_slopes": _slopes(len(lengths_q), 4)}, lse_grad=True)
+
+
 @pytest.mark.parametrize(("head_dim", "causal"), [(128, True), (64, False)], ids=["d128-causal", "d64-full"])
 def test_op_varlen_fused_backward_chosen_for_long_sequences(head_dim, causal, force_config):
     """A sequence past FUSED_BACKWARD_MIN_SEQLEN_K keys among short ones: "auto" picks the fused

@@ -1,7 +1,7 @@
-"""The reading of matmul waits from SASS (tests/ops/sass.py: matmul_waits, matmuls_serialized), on
-hand-written listings."""
+"""The reading of matmul waits and spills from SASS (tests/ops/sass.py: matmul_waits,
+matmuls_serialized, spills_in_matmul_loops), on hand-written listings."""
 
-from tests.ops.sass import Wait, matmul_waits, matmuls_serialized, summary
+from tests.ops.sass import Wait, matmul_waits, matmuls_serialized, spills_in_matmul_loops, summary
 
 
 def _listing(*instructions: str) -> str:
@@ -59,3 +59,18 @@ def test_matmuls_serialized_when_every_hgmma_closes_its_own_group():
     assert not matmuls_serialized(_listing(*GROUP, "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
     assert not matmuls_serialized(_listing(*alone, *GROUP))  # one real group: ptxas pipelined them
     assert not matmuls_serialized(_listing("FADD R3, R3, R4"))
+
+
+def test_spills_in_matmul_loops_counts_only_the_innermost_matmul_loops():
+    # 0x00-0x30: a loop with a matmul (0x30 branches back to 0x00); 0x40-0x60: a loop without
+    # one; 0x70: EXIT; 0x80-0x90: a slow path after it, jumping back into the body (no loop).
+    def listing(spill_at):
+        body = [*GROUP[:1], "FADD R3, R3, R4", "NOP", "@P0 BRA 0x0", "NOP", "NOP", "@P1 BRA 0x40", "EXIT"]
+        body += ["NOP", "BRA 0x20"]
+        body[spill_at] = "STL [R1+0x4], R3"
+        return _listing(*body)
+
+    assert spills_in_matmul_loops(listing(2)) == 1  # inside the matmul loop
+    assert spills_in_matmul_loops(listing(4)) == 0  # between loops
+    assert spills_in_matmul_loops(listing(5)) == 0  # in the loop without a matmul
+    assert spills_in_matmul_loops(listing(8)) == 0  # on the slow path

@@ -134,9 +134,7 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
 # instructions per score (perf-notes#alibi-positions). At D=128 it also tries plain attention's
 # CTA clusters (faster at causal 4096, 1-3% slower at 16384 and without a mask; they compile
 # without spilling with ALiBi); at D=64 the tuner chose one CTA over them, and at four CTAs per
-# SM the causal forward spills. Its fused backward spills on plain attention's 64x128 tiles at
-# D=128 (causal) and on 64x64 at two CTAs per SM without a mask; 64x64 at one CTA does not
-# (perf-notes#alibi-tables).
+# SM the causal forward spills.
 _SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED | {
     128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
 }
@@ -146,12 +144,11 @@ _SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_
 # Its dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
 # there, bwd -8 to -10% (perf-notes#function-dkdv), and clean since it converts integer positions.
 _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
-_SM90_FUSED_ALIBI = {
-    64: [_c(64, 128, num_worker_warps=8)],
-    128: [_c(64, 64, num_worker_warps=8), _c(64, 64)],
-}
-# Its grouped form spills a register on 64x128 at D=128 (causal), not on 64x64 at 8 warps.
-_SM90_FUSED_GROUPED_ALIBI = _SM90_FUSED_GROUPED | {128: [_c(64, 64, num_worker_warps=8)]}
+# Its fused backward runs plain attention's tiles, less D=64's 128x128 (causal, 8 local loads and
+# stores). Causal at D=128, 64x128 keeps loop bounds in local memory around its loops (17 stores,
+# none inside them) and ran 5-13% faster than two kernels, 64x64 40% slower
+# (perf-notes#alibi-fused-d128); its grouped form takes plain attention's table as it is.
+_SM90_FUSED_ALIBI = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
 # plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
 # 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
@@ -316,7 +313,6 @@ ALIBI_TABLES = {
     ("sm_90", FORWARD_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_ALIBI,
     ("sm_90", FORWARD_LSE_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_ALIBI,
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
-    ("sm_90", BACKWARD_FUSED_GROUPED): _SM90_FUSED_GROUPED_ALIBI,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,
 }
 # A mask function alone runs the fused backward on plain attention's tables (TABLES): at D=128

@@ -31,10 +31,6 @@ FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 # Packed without a causal mask (nor a window or a mask function) the fused backward also won at
 # D=64: bwd -4 to -5%, fwd+bwd -3 to -8% (causal: +6%; perf-notes#fused-backward-packed).
 FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
-# With ALiBi the fused backward runs on tiles of its own (configs.ALIBI_TABLES): at D=64 bwd
-# +0.4-4% over two kernels, at D=128 (64x64 tiles) -1 to +3% and fwd+bwd up to 6% slower
-# (perf-notes#alibi-tables). Keyed by head-dim tile.
-FUSED_ALIBI_HEAD_DIM_TILES = (64,)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -60,8 +56,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     (the order of the fp32 sums varies between runs); "auto" also needs
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
     function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
-    FUSED_PACKED_FULL_HEAD_DIM_TILES), with ALiBi one in
-    FUSED_ALIBI_HEAD_DIM_TILES. Causal grouped-query attention takes
+    FUSED_PACKED_FULL_HEAD_DIM_TILES); ALiBi alone as plain attention (D=128: bwd 5-22% faster
+    than two kernels, perf-notes#alibi-fused-d128). Causal grouped-query attention takes
     the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
@@ -84,8 +80,6 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         if tile not in FUSED_PACKED_FULL_HEAD_DIM_TILES:
             return None
     elif (hidden or problem.packing is not None) and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
-        return None
-    if problem.mods.alibi and tile not in FUSED_ALIBI_HEAD_DIM_TILES:
         return None
     return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
 
