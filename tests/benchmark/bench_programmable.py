@@ -9,7 +9,8 @@ and, for the document mask, our packed variable-length path on the same document
 
 16384 tokens (batch = 16384 / S), 16 heads, D=128, bf16, causal. "relative" learns its table
 [H, 257] (its gradient summed by atomic adds), "relative-frozen" does not. Each cell is the median time
-of one training step (forward, then backward of a fixed output gradient), in ms. FlexAttention
+of one training step (forward, then the gradients of q, k, v and the learned table for a fixed
+output gradient, by torch.autograd.grad as in the training benchmark), in ms. FlexAttention
 runs causal through its block mask (Sq = Sk: its top-left causal is ours). The document mask
 cuts each row into 4 documents at random points (a fixed seed).
 
@@ -50,7 +51,8 @@ def _document_ids(batch: int, seqlen: int, generator):
 
 
 def providers(function: str, batch: int, seqlen: int, q, k, v):
-    """name -> a training-step callable taking (q, k, v) for one function; plain attention too."""
+    """(name -> a callable taking (q, k, v) for one function, plain attention too; FlexAttention's
+    callable; the tensors besides q, k, v that a step differentiates: a learned table)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask as flex_block_mask
     from torch.nn.attention.flex_attention import flex_attention
@@ -70,6 +72,7 @@ def providers(function: str, batch: int, seqlen: int, q, k, v):
     causal_flex = flex_block_mask(causal, None, None, seqlen, seqlen, device="cuda")
     ours = {}
     theirs = None
+    learned = ()
     if function == "softcap":
         ours["switch"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, softcap=CAP)
         capped = sf.softcap(CAP)
@@ -92,6 +95,7 @@ def providers(function: str, batch: int, seqlen: int, q, k, v):
     elif function in ("relative", "relative-frozen"):
         table = torch.randn(HEADS, 2 * MAX_DISTANCE + 1, device="cuda") * 0.1
         table.requires_grad_(function == "relative")
+        learned = (table,) if table.requires_grad else ()
         relative = sf.relative_position_bias(table, MAX_DISTANCE)
         ours["function"] = lambda q, k, v: tile_fmha_with_backward(q, k, v, **relative)
 
@@ -121,13 +125,20 @@ def providers(function: str, batch: int, seqlen: int, q, k, v):
 
         ours["packed"] = packed
     ours["plain"] = lambda q, k, v: tile_fmha_with_backward(q, k, v)
-    return ours, theirs
+    return ours, theirs, learned
 
 
-def _step(fn, q, k, v, d_out):
+def _step(fn, q, k, v, d_out, learned):
+    """One training step's attention: the forward, then the gradients of q, k, v and the learned
+    tensors, as the training benchmark takes them (torch.autograd.grad): accumulating them into
+    .grad would add three elementwise passes over q, k and v to every provider alike."""
+    import torch
+
+    inputs = (q, k, v, *learned)
+
     def run():
         out = fn(q, k, v)
-        out.backward(d_out.reshape(out.shape))
+        torch.autograd.grad(out, inputs, d_out.reshape(out.shape))
 
     return run
 
@@ -142,7 +153,7 @@ def measure(function: str, seqlen: int) -> dict:
         for _ in range(3)
     )
     d_out = torch.randn_like(q)
-    ours, theirs = providers(function, batch, seqlen, q, k, v)
+    ours, theirs, learned = providers(function, batch, seqlen, q, k, v)
     times = {}
     if theirs is not None:
         try:
@@ -151,11 +162,12 @@ def measure(function: str, seqlen: int) -> dict:
             error = (check.float() - reference.float()).abs().max().item()
             if error > 5e-2:
                 raise AssertionError(f"{function}: ours and FlexAttention differ by {error:.3e}")
-            times["flex"] = bench_utils.median_ms(_step(theirs, q, k, v, d_out))
+            times["flex"] = bench_utils.median_ms(_step(theirs, q, k, v, d_out, learned))
         except (RuntimeError, torch._dynamo.exc.BackendCompilerFailed) as error:  # noqa: SLF001
             print(f"FlexAttention failed on {function} S={seqlen}: {str(error).splitlines()[0]}", flush=True)
     for name, fn in ours.items():
-        times[name] = bench_utils.median_ms(_step(fn, q, k, v, d_out))
+        # Plain attention has no table to learn.
+        times[name] = bench_utils.median_ms(_step(fn, q, k, v, d_out, () if name == "plain" else learned))
     del ours, theirs
     gc.collect()
     torch.cuda.empty_cache()
