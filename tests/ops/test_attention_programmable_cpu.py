@@ -15,7 +15,7 @@ from tests.ops import sass
 from tilegym import autotune
 from tilegym.ops.attention import block_mask, configs, programmable, score_functions
 from tilegym.ops.attention.score_mods import ScoreMods
-from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, BACKWARD_FUSED, FORWARD_LSE, VARIANTS
+from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, BACKWARD_FUSED, FORWARD, FORWARD_LSE, VARIANTS
 
 
 def _fingerprint(kwargs: dict) -> str:
@@ -194,7 +194,8 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     config of the tables its switches pick (configs.score_tables), and the score functions (which
     every step pays for) keep the matmuls pipelined; a mask alone runs plain attention's forward
     tiles (CTA clusters) and dK/dV tiles, where it spills nothing at D=64 and 128, and the fused
-    backward's at D=128."""
+    backward's at D=128; a score function's inference forward at D=128 runs on CTA clusters
+    too."""
     if sass.cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
     kwargs, arrays, masks = _READY_MADE[name]
@@ -205,6 +206,8 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     launches = [(variant, 64) for variant in (FORWARD_LSE, BACKWARD_DQ, BACKWARD_DKDV)]
     if tables == configs.ScoreTables.MASKS:
         launches += [(FORWARD_LSE, 128), (BACKWARD_DKDV, 128), (BACKWARD_FUSED, 128)]
+    if tables == configs.ScoreTables.FUNCTIONS:
+        launches.append((FORWARD, 128))
     with tempfile.TemporaryDirectory() as workdir:
         for variant, head_dim in launches:
             config = configs.candidates(variant, "sm_90", head_dim, 2, tables)[0]
@@ -219,10 +222,13 @@ def test_ready_made_functions_compile_into_every_kernel(name):
             text = sass.disassemble(path)
             assert "HGMMA" in text
             assert not sass.matmuls_serialized(text), f"{name}: {variant} waits for each matmul alone"
-            # The fused backward may spill with a mask (the document mask: 17 local stores) and
-            # still runs faster than two kernels (perf-notes#fused-backward-masks).
+            # The fused backward may spill with a mask (the document mask: 17 local stores, 28 local
+            # loads and stores inside its loops) and still runs faster than two kernels
+            # (perf-notes#fused-backward-masks).
             if tables == configs.ScoreTables.MASKS and variant not in (BACKWARD_DQ, BACKWARD_FUSED):
                 assert sass.count_instructions(text, "STL") == 0, f"{name}: {variant} spills at D={head_dim}"
+            if (variant, head_dim) == (FORWARD, 128):
+                assert config.num_ctas == 2, "the first candidate is plain attention's clusters"
 
 
 def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch):
