@@ -8,6 +8,7 @@ attention_cases against that reference, the same reference run in the inputs' dt
 yardstick. Outputs come from a caching allocator filled with NaN first (poisoned).
 """
 
+import dataclasses
 import math
 
 import cuda.tile as ct
@@ -215,6 +216,32 @@ def test_op_attention_masks_fused_backward(name, monkeypatch, force_config):
     force_config(fused, config)
     check_case(case, torch.bfloat16, causal, build)
     assert ran_with(fused, config)
+
+
+# A score function's inference forward at D=128 runs on one CTA or plain attention's CTA
+# clusters, as the tuner picks: each candidate forced, GQA and Sq != Sk, with a table read per
+# score and with a mask.
+FORWARD_FUNCTION_CONFIGS = configs.candidates(configs.FORWARD, "sm_90", 128, 2, configs.ScoreTables.FUNCTIONS)
+
+
+@pytest.mark.parametrize(
+    "config", FORWARD_FUNCTION_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}-ctas{c.num_ctas or 1}"
+)
+@pytest.mark.parametrize(
+    "name", ["softcap-gqa-causal", "alibi-sq-gt-sk", "relative-table-causal", "relative-in-documents-causal"]
+)
+def test_op_attention_programmable_inference_forward_configs(name, config, force_config):
+    case, causal, build = CASES[name]
+    case = dataclasses.replace(case, why=f"{case.why}-d128", head_dim=128)
+    q, k, v = make_inputs(case, torch.bfloat16)
+    ours_kwargs, ref_kwargs, learnable = build(case, torch.bfloat16)
+    force_config(configs.FORWARD, config)
+    _poison_allocator()
+    out = tile_fmha(q, k, v, is_causal=causal, **ours_kwargs)
+    ref_out, _, _ = _reference(q, k, v, causal, ref_kwargs, learnable, torch.float64)
+    base_out, _, _ = _reference(q, k, v, causal, ref_kwargs, learnable, torch.bfloat16)
+    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    assert ran_with(configs.FORWARD, config)
 
 
 @pytest.mark.parametrize("name", ["softcap-gqa-causal", "relative-table", "documents-causal", "key-padding-causal"])
