@@ -608,6 +608,14 @@ def test_op_forced_fused_backward_takes_a_window_or_alibi_not_both(monkeypatch, 
     assert (configs.BACKWARD_FUSED in names) == fused
 
 
+def test_op_fused_backward_grouped_takes_a_mask_function(monkeypatch):
+    """Causal query groups with a mask function alone take the fused backward's grouped form from
+    FUSED_BACKWARD_MIN_SEQLEN_K keys at D=128 (perf-notes#grouped-fused-masks)."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
+    names, _, _ = _recorded_backward(monkeypatch, MIN_FUSED, 128, q_heads=4, batch=1, causal=True, mods=_MASK_ALONE)
+    assert names == [configs.BACKWARD_PREPROCESS, configs.BACKWARD_FUSED_GROUPED]
+
+
 def test_op_backward_choice_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("TILEGYM_BACKWARD", "fast")
     with pytest.raises(ValueError, match="TILEGYM_BACKWARD"):

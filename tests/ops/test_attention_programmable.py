@@ -195,11 +195,13 @@ def test_op_attention_programmable(name):
 
 
 # The fused backward with a mask function alone, forced on rows shorter than "auto" fuses from
-# (D=128, 2048 keys): D=64 and 128, causal and not, grouped queries without a causal mask (causal
-# ones take two kernels: the grouped form takes no mask), Sq != Sk.
+# (D=128, 2048 keys): D=64 and 128, causal and not, grouped queries with a causal mask (its
+# grouped form: a program per query head) and without, Sq != Sk.
 FUSED_MASK_CASES = {
     "documents-causal-d128": (Case("docs-d128", 2, 4, 4, 300, 300, 128), True, _documents),
     "documents-gqa-d128": (Case("docs-gqa", 1, 8, 2, 257, 257, 128), False, _documents),
+    "documents-gqa-causal-d128": (Case("docs-gqa", 2, 8, 2, 300, 300, 128), True, _documents),
+    "key-padding-gqa-causal-d64": (Case("gqa-sq-lt-sk", 2, 4, 1, 100, 300, 64), True, _key_padding),
     "documents-causal-d64": (Case("docs-d64", 2, 4, 4, 300, 300, 64), True, _documents),
     "prefix-lm-d128": (Case("prefix-d128", 2, 4, 4, 300, 300, 128), False, _prefix_lm),
     "window-globals-causal": (Case("wide-mha", 2, 2, 2, 333, 333, 128), True, _window_globals),
@@ -211,7 +213,8 @@ FUSED_MASK_CASES = {
 def test_op_attention_masks_fused_backward(name, monkeypatch, force_config):
     case, causal, build = FUSED_MASK_CASES[name]
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
-    fused = "attention_backward_fused"
+    grouped = causal and case.q_heads > case.kv_heads
+    fused = configs.BACKWARD_FUSED_GROUPED if grouped else configs.BACKWARD_FUSED
     config = configs.candidates(fused, "sm_90", case.head_dim, 2, configs.ScoreTables.MASKS)[0]
     force_config(fused, config)
     check_case(case, torch.bfloat16, causal, build)

@@ -15,7 +15,15 @@ from tests.ops import sass
 from tilegym import autotune
 from tilegym.ops.attention import block_mask, configs, programmable, score_functions
 from tilegym.ops.attention.score_mods import ScoreMods
-from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, BACKWARD_FUSED, FORWARD, FORWARD_LSE, VARIANTS
+from tilegym.ops.attention.variants import (
+    BACKWARD_DKDV,
+    BACKWARD_DQ,
+    BACKWARD_FUSED,
+    BACKWARD_FUSED_GROUPED,
+    FORWARD,
+    FORWARD_LSE,
+    VARIANTS,
+)
 
 
 def _fingerprint(kwargs: dict) -> str:
@@ -205,7 +213,7 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     tables = configs.score_tables(ScoreMods(user=functions).switches)
     launches = [(variant, 64) for variant in (FORWARD_LSE, BACKWARD_DQ, BACKWARD_DKDV)]
     if tables == configs.ScoreTables.MASKS:
-        launches += [(FORWARD_LSE, 128), (BACKWARD_DKDV, 128), (BACKWARD_FUSED, 128)]
+        launches += [(FORWARD_LSE, 128), (BACKWARD_DKDV, 128), (BACKWARD_FUSED, 128), (BACKWARD_FUSED_GROUPED, 128)]
     if tables == configs.ScoreTables.FUNCTIONS:
         launches.append((FORWARD, 128))
     with tempfile.TemporaryDirectory() as workdir:
@@ -225,7 +233,11 @@ def test_ready_made_functions_compile_into_every_kernel(name):
             # The fused backward may spill with a mask (the document mask: 17 local stores, 28 local
             # loads and stores inside its loops) and still runs faster than two kernels
             # (perf-notes#fused-backward-masks).
-            if tables == configs.ScoreTables.MASKS and variant not in (BACKWARD_DQ, BACKWARD_FUSED):
+            if tables == configs.ScoreTables.MASKS and variant not in (
+                BACKWARD_DQ,
+                BACKWARD_FUSED,
+                BACKWARD_FUSED_GROUPED,
+            ):
                 assert sass.count_instructions(text, "STL") == 0, f"{name}: {variant} spills at D={head_dim}"
             if (variant, head_dim) == (FORWARD, 128):
                 assert config.num_ctas == 2, "the first candidate is plain attention's clusters"

@@ -47,8 +47,8 @@ ANY_SCORES = (SCORE_SWITCHES,)
 # its plain tables, and with ALiBi on tables of its own (configs.ALIBI_TABLES); with both
 # together, and with softcap, it spilled (sm_90: 21 and up to 289 local loads).
 WINDOW_OR_ALIBI = (frozenset({"windowed"}), frozenset({"alibi"}))
-# A mask function alone hides scores as a window does (block-mask tile lists instead of ranges);
-# measured in the fused backward's ungrouped form only (perf-notes#fused-backward-masks).
+# A mask function alone hides scores as a window does (block-mask tile lists instead of ranges):
+# perf-notes#fused-backward-masks, and for the grouped form perf-notes#grouped-fused-masks.
 WINDOW_ALIBI_OR_MASKS = (*WINDOW_OR_ALIBI, frozenset({"masks"}))
 # The fixed-max forward: plain scores, or ALiBi alone, whose scores fall with distance from the
 # diagonal it starts from (kernels/forward.py, _key_loops).
@@ -154,7 +154,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 ("key", "query"),
                 "fused backward of causal GQA: a program per query head, dK and dV summed too",
-                modifiers=WINDOW_OR_ALIBI,
+                modifiers=WINDOW_ALIBI_OR_MASKS,
                 default=False,
                 sum_dq=True,
                 sum_dkdv=True,
