@@ -237,9 +237,9 @@ def spills_in_matmul_loops(text: str) -> int:
     ]
     spills = 0
     for start, end in innermost:
-        body = [text for address, text in instructions if start <= address <= end]
-        if any(re.search(r"\bHGMMA\b", line) for line in body):
-            spills += sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in body)
+        lines = [line for address, line in instructions if start <= address <= end]
+        if any(re.search(r"\bHGMMA\b", line) for line in lines):
+            spills += sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in lines)
     return spills
 
 

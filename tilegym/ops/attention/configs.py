@@ -146,7 +146,7 @@ _SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_
 _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
 # Its fused backward runs plain attention's tiles, less D=64's 128x128 (causal, 8 local loads and
 # stores). Causal at D=128, 64x128 keeps loop bounds in local memory around its loops (17 stores,
-# none inside them) and ran 5-13% faster than two kernels, 64x64 40% slower
+# none inside them) and its backward ran 5-16% faster than two kernels, 64x64 40% slower
 # (perf-notes#alibi-fused-d128); its grouped form takes plain attention's table as it is.
 _SM90_FUSED_ALIBI = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
