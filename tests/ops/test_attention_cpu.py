@@ -555,7 +555,8 @@ _SCORE_AND_MASK = ScoreMods(
         (ScoreMods(window=(64, 0)), 128, True),  # a window only hides scores: the fused tables compile clean
         (ScoreMods(window=(64, 0), sinks=True), 96, True),
         (ScoreMods(window=(64, 0)), 64, False),  # lost at D=64 (FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
-        (ScoreMods(softcap=2.0), 128, False),  # spilled on the fused tables
+        (ScoreMods(softcap=2.0), 128, True),  # spills inside its loops, measured faster all the same
+        (ScoreMods(softcap=2.0), 64, False),  # FUSED_SOFTCAP_HEAD_DIM_TILES
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
         (ScoreMods(alibi=True), 64, True),  # on tables of its own (configs.ALIBI_TABLES)
         (ScoreMods(alibi=True), 128, True),
@@ -569,6 +570,7 @@ _SCORE_AND_MASK = ScoreMods(
         "window-sinks-d96",
         "window-d64",
         "softcap",
+        "softcap-d64",
         "window-softcap",
         "alibi",
         "alibi-d128",
@@ -592,6 +594,7 @@ def test_op_fused_backward_takes_only_the_switches_it_compiles_with(monkeypatch,
     _, kernel, _, args, _ = launches[1]
     values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
     assert values["alibi"] is mods.alibi
+    assert values["capped"] is bool(mods.softcap)
     if mods.window is not None:
         assert values["windowed"] is True and (values["window_left"], values["window_right"]) == (64, 0)
 
@@ -606,6 +609,18 @@ def test_op_forced_fused_backward_takes_a_window_or_alibi_not_both(monkeypatch, 
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
     names, _, _ = _recorded_backward(monkeypatch, MIN_FUSED, 128, q_heads=2, batch=1, causal=False, mods=mods)
     assert (configs.BACKWARD_FUSED in names) == fused
+
+
+@pytest.mark.parametrize("choice", ["auto", "fused"])
+def test_op_fused_backward_takes_softcap_only_dense_ungrouped_at_d128(monkeypatch, choice):
+    """Softcap's fused backward was measured dense and ungrouped at D=128 (perf-notes#fused-backward-softcap):
+    forced or not, causal query groups keep two kernels with it."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    capped = ScoreMods(softcap=2.0)
+    names, _, _ = _recorded_backward(monkeypatch, MIN_FUSED, 128, q_heads=4, batch=1, causal=True, mods=capped)
+    assert configs.BACKWARD_FUSED_GROUPED not in names and configs.BACKWARD_FUSED not in names
+    names, _, _ = _recorded_backward(monkeypatch, MIN_FUSED, 128, q_heads=2, batch=1, causal=True, mods=capped)
+    assert names == [configs.BACKWARD_PREPROCESS, configs.BACKWARD_FUSED]
 
 
 def test_op_fused_backward_grouped_takes_a_mask_function(monkeypatch):

@@ -31,6 +31,9 @@ FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 # Packed without a causal mask (nor a window or a mask function) the fused backward also won at
 # D=64: bwd -4 to -5%, fwd+bwd -3 to -8% (causal: +6%; perf-notes#fused-backward-packed).
 FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
+# Softcap alone takes the fused backward where it was measured: D=128, dense (bwd -20 to -23%,
+# perf-notes#fused-backward-softcap), forced or not. Keyed by head-dim tile.
+FUSED_SOFTCAP_HEAD_DIM_TILES = (128,)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -51,13 +54,14 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
     Fused only for calls, dense or packed, whose score switches the variant takes (a sliding
-    window, ALiBi or a mask function, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
+    window, ALiBi, a mask function or softcap, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
     fused table (candidates(name) is not empty), never under torch.use_deterministic_algorithms
     (the order of the fp32 sums varies between runs); "auto" also needs
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
     function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
     FUSED_PACKED_FULL_HEAD_DIM_TILES); ALiBi alone as plain attention (D=128: bwd 5-22% faster
-    than two kernels, perf-notes#alibi-fused-d128). Causal grouped-query attention takes
+    than two kernels, perf-notes#alibi-fused-d128); softcap alone only dense at a head dim in
+    FUSED_SOFTCAP_HEAD_DIM_TILES, and not in the grouped form. Causal grouped-query attention takes
     the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
@@ -67,13 +71,16 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     name = BACKWARD_FUSED_GROUPED if grouped else BACKWARD_FUSED
     if not VARIANTS[name].takes_switches(problem.mods.switches) or bias_grad or not candidates(name):
         return None
+    tile = configs.head_dim_tile(problem.tuning_head_dim)
+    capped = "capped" in problem.mods.switches
+    if capped and (tile not in FUSED_SOFTCAP_HEAD_DIM_TILES or problem.packing is not None):
+        return None
     if problem.value_dim > problem.head_dim:
         # A V wider than Q adds dV accumulators the fused tables were not sized for: Dqk=64 with
         # Dv=128 spills on the D=128 table's 64x128 tiles (sm_90, 145 local loads and stores).
         return None
     if choice == "fused":
         return name
-    tile = configs.head_dim_tile(problem.tuning_head_dim)
     masks = "masks" in problem.mods.switches
     hidden = problem.mods.window is not None or masks
     if problem.packing is not None and not (problem.causal or hidden):

@@ -45,11 +45,15 @@ PLAIN_SCORES = (frozenset(),)
 ANY_SCORES = (SCORE_SWITCHES,)
 # The fused backward compiles without spilling with a sliding window (it only hides scores) on
 # its plain tables, and with ALiBi on tables of its own (configs.ALIBI_TABLES); with both
-# together, and with softcap, it spilled (sm_90: 21 and up to 289 local loads).
+# together it spilled (sm_90: 21 local loads).
 WINDOW_OR_ALIBI = (frozenset({"windowed"}), frozenset({"alibi"}))
 # A mask function alone hides scores as a window does (block-mask tile lists instead of ranges):
 # perf-notes#fused-backward-masks, and for the grouped form perf-notes#grouped-fused-masks.
 WINDOW_ALIBI_OR_MASKS = (*WINDOW_OR_ALIBI, frozenset({"masks"}))
+# Softcap alone spills inside the fused backward's loops at D=128 (causal: 39 local loads and
+# stores) and still ran 20-23% faster than two kernels (perf-notes#fused-backward-softcap); in
+# the grouped form (21 inside its loops) it is unmeasured.
+WINDOW_ALIBI_MASKS_OR_SOFTCAP = (*WINDOW_ALIBI_OR_MASKS, frozenset({"capped"}))
 # The fixed-max forward: plain scores, or ALiBi alone, whose scores fall with distance from the
 # diagonal it starts from (kernels/forward.py, _key_loops).
 PLAIN_OR_ALIBI = (frozenset({"alibi"}),)
@@ -143,7 +147,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 _KEY_TILES,
                 "fused backward: dK, dV and dQ summed by TMA reductions",
-                modifiers=WINDOW_ALIBI_OR_MASKS,
+                modifiers=WINDOW_ALIBI_MASKS_OR_SOFTCAP,
                 default=False,
                 sum_dq=True,
                 sum_dkdv=False,
