@@ -54,8 +54,9 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     """The fused backward's variant (dQ summed by the dK/dV kernel), or None for two kernels.
 
     Fused only for calls, dense or packed, whose score switches the variant takes (a sliding
-    window, ALiBi, a mask function or softcap, sinks; Variant.modifiers), without dBias, V no wider than Q, where the arch has a
-    fused table (candidates(name) is not empty), never under torch.use_deterministic_algorithms
+    window, ALiBi, a mask function or softcap, sinks; Variant.modifiers), without dBias, V no
+    wider than Q, where the arch has a fused table (candidates(name) is not empty), never under
+    torch.use_deterministic_algorithms
     (the order of the fp32 sums varies between runs); "auto" also needs
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
     function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
