@@ -422,23 +422,120 @@ def test_op_attention_programmable_bad_arguments():
         tile_fmha(q, k, v, block_mask=packed_mask)
 
 
-def test_op_attention_aux_gradient_refused_under_deterministic_algorithms():
-    """A learnable table's gradient is summed by atomic adds: torch.use_deterministic_algorithms
-    refuses it before any launch (warns with warn_only); a frozen table runs."""
-    case, causal, build = CASES["relative-table"]
-    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
-    kwargs, _, (table,) = build(case, torch.bfloat16)
-    out = tile_fmha_with_backward(q, k, v, is_causal=causal, **kwargs)
+def _head_bias(score, b, h, q_idx, kv_idx, aux):
+    return score + ct.astype(ct.gather(aux[0], h), score.dtype)
+
+
+def _head_bias_grad_atomic(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    ct.atomic_add(aux_grads[0], h, ct.sum(grad))
+
+
+def _head_bias_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    sf.add_to_aux_grad(aux_grads, 0, (h,), ct.sum(grad))
+
+
+def _learned_head_bias(case, dtype, aux_grad=_head_bias_grad):
+    """A learnable bias per query head: every pair of a head adds into one entry (the most
+    colliding adds there are)."""
+    bias = (torch.randn(case.q_heads, device="cuda") * 0.5).requires_grad_()
+    ours = {"score_mod": _head_bias, "score_mod_grad": sf.additive_grad, "aux": (bias,), "aux_grad": aux_grad}
+    return ours, {"attn_bias": lambda table: table[None, :, None, None]}, [bias]
+
+
+REPEATABLE_AUX_CASES = {
+    "relative-table-causal": (ODD_LENGTHS, True, _relative),
+    "head-bias-gqa": (GQA_4TO1, False, _learned_head_bias),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(REPEATABLE_AUX_CASES))
+def test_op_attention_aux_gradient_repeatable_under_deterministic_algorithms(name, dtype):
+    """Under torch.use_deterministic_algorithms(True), an aux_grad that adds through
+    add_to_aux_grad sums in fixed point: two backward passes give bitwise-equal gradients, the aux
+    gradient within the reference's tolerance and within 1e-5 of the atomic fp32 sums. The LSE
+    takes a gradient too: without it a head bias's gradient would sum to about 0 (a softmax
+    row's gradient does), rounding alone."""
+    case, causal, build = REPEATABLE_AUX_CASES[name]
+    q, k, v = make_inputs(case, dtype)
+    ours_kwargs, ref_kwargs, learnable = build(case, dtype)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    d_out = torch.randn_like(q)
+    d_lse = torch.randn(q.shape[:3], device="cuda")
+
+    def gradients():
+        _poison_allocator()
+        out, lse = tile_fmha_with_backward(*leaves, is_causal=causal, return_lse=True, **ours_kwargs)
+        return torch.autograd.grad([out, lse], leaves + learnable, [d_out, d_lse])
+
     try:
         torch.use_deterministic_algorithms(True)
-        with pytest.raises(RuntimeError, match="aux_grad"):
+        first, second = gradients(), gradients()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for label, a, b in zip(("dq", "dk", "dv", "d_aux"), first, second, strict=True):
+        assert torch.equal(a, b), f"{label} differs between two deterministic runs"
+    atomic = gradients()[-1]
+    assert atomic.dtype == first[-1].dtype == learnable[0].dtype
+    torch.testing.assert_close(first[-1], atomic, rtol=1e-5, atol=1e-5 * atomic.abs().max().item())
+    ref_out, ref_lse, ref_inputs = _reference(q, k, v, causal, ref_kwargs, learnable, torch.float64)
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [d_out.double(), d_lse.double()])
+    base_out, base_lse, base_inputs = _reference(q, k, v, causal, ref_kwargs, learnable, dtype)
+    base_grads = torch.autograd.grad([base_out, base_lse], base_inputs, [d_out, d_lse.to(dtype)])
+    for label, ours, base, ref in zip(("dq", "dk", "dv"), first[:3], base_grads[:3], ref_grads[:3], strict=True):
+        assert_close_to_reference(label, ours, base, ref, dtype)
+    if dtype == torch.float32:
+        # A sum over every pair of a head: PyTorch's float32 reference sums exact products, the
+        # kernels' (any sum of theirs, atomic or fixed point) those of their float32 matmuls.
+        assert max_error(first[-1], ref_grads[-1]) <= 1e-5 * ref_grads[-1].abs().max().item()
+    else:
+        assert_close_to_reference("d_aux0", first[-1], base_grads[-1], ref_grads[-1], dtype)
+
+
+def test_op_attention_aux_gradient_out_of_fixed_point_range_is_nan():
+    """Fixed-point sums never wrap silently: shares far too large give NaN in the deterministic
+    aux gradient (where the atomic sums stay finite), and the other gradients are unchanged."""
+    case = GQA_4TO1
+    q, k, v = make_inputs(case, torch.float32)
+    ours_kwargs, _, learnable = _learned_head_bias(case, torch.float32)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    d_out = torch.randn_like(q) * 1e12
+    out = tile_fmha_with_backward(*leaves, is_causal=False, **ours_kwargs)
+    atomic = torch.autograd.grad(out, leaves + learnable, d_out, retain_graph=True)
+    try:
+        torch.use_deterministic_algorithms(True)
+        fixed = torch.autograd.grad(out, leaves + learnable, d_out)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.isfinite(atomic[-1]).all() and torch.isnan(fixed[-1]).all()
+    for a, b in zip(atomic[:3], fixed[:3], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_op_attention_aux_gradient_refused_under_deterministic_algorithms():
+    """An aux_grad that adds by ct.atomic_add itself, or any aux gradient of float64 inputs,
+    is not repeatable: torch.use_deterministic_algorithms refuses it before any launch (warns
+    with warn_only); a frozen table runs."""
+    case = GQA_4TO1
+    q, k, v = make_inputs(case, torch.bfloat16, requires_grad=True)
+    kwargs, _, (bias,) = _learned_head_bias(case, torch.bfloat16, aux_grad=_head_bias_grad_atomic)
+    out = tile_fmha_with_backward(q, k, v, **kwargs)
+    q64, k64, v64 = make_inputs(case, torch.float64, requires_grad=True)
+    table_kwargs, _, (table,) = _relative(case, torch.float64)
+    out64 = tile_fmha_with_backward(q64, k64, v64, **table_kwargs)
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="aux_grad adds with ct.atomic_add"):
             out.backward(torch.ones_like(out), retain_graph=True)
-        assert table.grad is None and q.grad is None
+        assert bias.grad is None and q.grad is None
+        with pytest.raises(RuntimeError, match="float64"):
+            out64.sum().backward()
+        assert table.grad is None
         torch.use_deterministic_algorithms(True, warn_only=True)
         with pytest.warns(UserWarning, match="aux_grad"):
             out.backward(torch.ones_like(out))
-        assert table.grad is not None and torch.isfinite(table.grad).all()
-        frozen = tile_fmha_with_backward(q, k, v, is_causal=causal, **{**kwargs, "aux": (table.detach(),)})
+        assert bias.grad is not None and torch.isfinite(bias.grad).all()
+        frozen = tile_fmha_with_backward(q, k, v, **{**kwargs, "aux": (bias.detach(),)})
         torch.use_deterministic_algorithms(True)
         frozen.sum().backward()
     finally:

@@ -13,7 +13,7 @@ import torch
 
 from tests.ops import sass
 from tilegym import autotune
-from tilegym.ops.attention import block_mask, configs, programmable, score_functions
+from tilegym.ops.attention import aux_gradients, block_mask, configs, programmable, score_functions
 from tilegym.ops.attention.score_mods import ScoreMods
 from tilegym.ops.attention.variants import (
     BACKWARD_DKDV,
@@ -137,6 +137,47 @@ def test_check_aux():
         programmable.check_aux((torch.zeros(3, dtype=torch.bool),), q, "aux")
 
 
+def test_fixed_point_aux_sums():
+    """Fixed-point buffers give back their sums to 2^-32, and NaN, never a wrapped number, where
+    the magnitudes reach the limit (or went negative by wrapping)."""
+    buffer = aux_gradients.buffers((torch.zeros(3, 2),), torch.float32, deterministic=True)[0]
+    assert buffer.shape == (2, 3, 2) and buffer.dtype == torch.int64
+    shares = torch.tensor([[0.25, -1.5], [3.0e-6, -7.0], [1.0e6, 2.0]], dtype=torch.float64)
+    buffer[0] = torch.round(shares * aux_gradients.FIXED_SCALE).long()
+    buffer[1] = torch.ceil(shares.abs() * aux_gradients.MAGNITUDE_SCALE).long()
+    buffer[1, 2, 1] = int(aux_gradients.MAGNITUDE_LIMIT)
+    buffer[1, 1, 1] = -5
+    sums = aux_gradients.sums(buffer)
+    assert sums.dtype == torch.float32
+    expected = shares.float()
+    expected[2, 1] = expected[1, 1] = float("nan")
+    torch.testing.assert_close(sums, expected, equal_nan=True, rtol=0, atol=2.0**-32)
+    float_buffer = aux_gradients.buffers((torch.zeros(3, 2),), torch.float64, deterministic=False)[0]
+    assert float_buffer.dtype == torch.float64 and aux_gradients.sums(float_buffer) is float_buffer
+
+
+def _adds_by_atomics(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    ct.atomic_add(aux_grads[0], h, ct.sum(grad))
+
+
+def _adds_through_a_helper(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    _adds_by_atomics(grad, score, b, h, q_idx, kv_idx, aux, aux_grads)
+
+
+def _adds_repeatably(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    score_functions.add_to_aux_grad(aux_grads, 0, (h,), ct.sum(grad))
+
+
+def test_aux_grad_that_adds_atomically_is_found():
+    """Under deterministic algorithms, aux_grad must add through add_to_aux_grad: an atomic add
+    of its own, or in a function it calls, is found before any launch."""
+    assert aux_gradients.adds_atomically(_adds_by_atomics)
+    assert aux_gradients.adds_atomically(_adds_through_a_helper)
+    assert not aux_gradients.adds_atomically(_adds_repeatably)
+    table_grad = score_functions.relative_position_bias(torch.zeros(2, 9), 4)["aux_grad"]
+    assert not aux_gradients.adds_atomically(table_grad)
+
+
 def test_block_mask_lists_of_kinds():
     """Each row lists its partial tiles, then its full ones, ascending; counts say how many."""
     kinds = torch.tensor([[[[0, 1, 2, 1], [2, 2, 0, 0], [0, 0, 0, 0]]]], dtype=torch.int8)
@@ -183,6 +224,12 @@ _READY_MADE = {
     "relative": (
         score_functions.relative_position_bias(torch.zeros(4, 17), 8),
         {"Aux0": (ct.float32, 2), "AuxGrad0": (ct.float32, 2)},
+        False,
+    ),
+    # Under torch.use_deterministic_algorithms: fixed-point sums (aux_gradients.py).
+    "relative-repeatable": (
+        score_functions.relative_position_bias(torch.zeros(4, 17), 8),
+        {"Aux0": (ct.float32, 2), "AuxGrad0": (ct.int64, 3)},
         False,
     ),
     "documents": (

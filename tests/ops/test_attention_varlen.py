@@ -839,6 +839,36 @@ def test_op_varlen_aux_gradient_fp16_sinks():
           learnable=[learnable])  # fmt: skip
 
 
+def _sequence_head_bias_grad_repeatable(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    sf.add_to_aux_grad(aux_grads, 0, (b, h), ct.sum(grad))
+
+
+@pytest.mark.parametrize("name", ["relative-table", "per-sequence"])
+def test_op_varlen_aux_gradient_repeatable_under_deterministic_algorithms(name):
+    """Under torch.use_deterministic_algorithms(True), aux gradients added through add_to_aux_grad
+    are bitwise repeatable on packed batches too (empty sequences, Lq != Lk, GQA, spare rows),
+    and within the per-sequence reference's tolerance."""
+    batch = pack(MIXED_Q + [90, 3, 700], MIXED_K + [40, 0, 650], 4, 2, 64, spare_q=5, spare_k=3)
+    if name == "relative-table":
+        learnable, functions, meaning = _learned_relative(4)
+    else:
+        learnable, functions, meaning = _learned_per_sequence(4, batch.sequences)
+        functions = {**functions, "aux_grad": _sequence_head_bias_grad_repeatable}
+    d_out = torch.randn(batch.q.shape[0], 4, batch.v.shape[2], dtype=batch.q.dtype, device=DEVICE)
+    try:
+        torch.use_deterministic_algorithms(True)
+        runs = [run_varlen(batch, d_out, True, {}, functions=functions, learnable=[learnable]) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (_, _, first), (_, _, second) = runs
+    for label, a, b in zip(("dq", "dk", "dv", "d_aux"), first, second, strict=True):
+        assert torch.equal(a, b), f"{label} differs between two deterministic runs"
+    _, _, ref_grads = varlen_reference(batch, d_out, True, {}, torch.float64, None, meaning, [learnable])
+    _, base_grads = yardstick(batch, d_out, True, {}, None, meaning, [learnable])
+    for label, ours, base, ref in zip(("dq", "dk", "dv", "d_aux0"), first, base_grads, ref_grads, strict=True):
+        assert_close_to_reference(label, ours, base, ref, batch.q.dtype)
+
+
 # Masks see each sequence alone too (b the sequence, positions within it): given as mask_mod,
 # or as a block mask made with the call's cumulative lengths. name: (causal, builder of the mask
 # arguments and of what they mean per sequence, a boolean [Lq, Lk] of visible pairs).

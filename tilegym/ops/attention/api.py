@@ -39,7 +39,8 @@ programmable.py and docs/attention.md have the contract):
   applied after the modifiers above; score_mod_grad ``(grad, score, out, b, h, q_idx, kv_idx,
   aux) -> grad`` its derivative, required for training.
 - aux: up to 4 tensors score_mod reads; aux_grad ``(grad, score, b, h, q_idx, kv_idx, aux,
-  aux_grads)`` adds their gradients into aux_grads.
+  aux_grads)`` adds their gradients into aux_grads by score_functions.add_to_aux_grad (bitwise
+  repeatable under torch.use_deterministic_algorithms(True)).
 - mask_mod ``(b, h, q_idx, kv_idx, mask_aux) -> bool`` with mask_aux, or block_mask, a
   create_block_mask result reused across calls; and-ed with is_causal and window_size.
 """

@@ -21,7 +21,7 @@ from tilegym.launching import (
     parameter_names,
     split_arguments,
 )
-from tilegym.ops.attention import configs, dispatch, packing, programmable, score_mods
+from tilegym.ops.attention import aux_gradients, configs, dispatch, packing, programmable, score_mods
 from tilegym.ops.attention.block_mask import BlockMask, MaskRule
 from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
@@ -373,9 +373,6 @@ def backward(
     the sinks' gradient, summed over batch and rows in a fixed order (deterministic). Packed
     (cu_seqlens, as forward), the gradients cover every row: zeros where no sequence is.
     """
-    user = problem.mods.user
-    if user is not None and user.aux_grad is not None:
-        _alert_not_deterministic("the aux tensors' gradient (aux_grad) is summed by atomic adds")
     dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
     sinks_grad = sinks_grad and problem.mods.sinks
     if not problem.wide_index and any(index_width.needs_int64(t) for t in (d_out, d_lse) if t is not None):
@@ -388,7 +385,7 @@ def backward(
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
-    d_aux = _aux_gradients(problem, mod_tensors)
+    d_aux = _aux_gradients(problem, mod_tensors, alert=True)
     steps, targets = _backward_steps(
         launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
     )
@@ -400,31 +397,48 @@ def backward(
     if targets.dq is not dq:  # the fused backward summed into fp32 targets
         targets.copy_to(dq, dk, dv)
     d_sinks = row_grads.d_sinks_partial.sum(dim=(0, 2)) if sinks_grad else None
+    d_aux = None if d_aux is None else tuple(aux_gradients.sums(buffer) for buffer in d_aux)
     return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks, d_aux)
 
 
-def _aux_gradients(problem: AttentionProblem, mod_tensors: ModTensors) -> tuple | None:
-    """Where the caller's aux_grad adds each aux tensor's gradient: fp32 (fp64 for fp64 inputs)
-    tensors of their shapes, zeroed right before the launch that counts (tuning runs add too);
-    None without an aux_grad."""
+def _aux_gradients(problem: AttentionProblem, mod_tensors: ModTensors, alert: bool = False) -> tuple | None:
+    """Where the caller's aux_grad adds each aux tensor's gradient (aux_gradients.buffers), zeroed
+    right before the launch that counts (tuning runs add too); None without an aux_grad.
+    alert: raise (or warn) where torch.use_deterministic_algorithms(True) is set and the sums
+    cannot be repeatable."""
     user = problem.mods.user
     if user is None or user.aux_grad is None:
         return None
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-    return tuple(torch.empty(t.shape, dtype=dtype, device=t.device) for t in mod_tensors.aux)
+    return aux_gradients.buffers(mod_tensors.aux, dtype, _fixed_point_aux_sums(problem, alert))
+
+
+def _fixed_point_aux_sums(problem: AttentionProblem, alert: bool) -> bool:
+    """Whether the aux gradients are summed in fixed point, repeatably: under
+    torch.use_deterministic_algorithms(True), where aux_grad adds only by add_to_aux_grad and the
+    inputs are not float64 (whose sums fixed point would round to 2^-32)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return False
+    if problem.dtype == torch.float64:
+        reason = "float64 inputs' aux gradients (aux_grad) are summed by atomic adds"
+    elif aux_gradients.adds_atomically(problem.mods.user.aux_grad):
+        reason = "aux_grad adds with ct.atomic_add (add_to_aux_grad sums repeatably)"
+    else:
+        return True
+    if alert:
+        _alert_not_deterministic(reason)
+    return False
 
 
 def _alert_not_deterministic(what: str) -> None:
     """Under torch.use_deterministic_algorithms(True), a RuntimeError before a launch whose sums
     vary from run to run (a warning with warn_only=True), as PyTorch's own operators do."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return
     message = (
         f"{what}, whose last bits vary from run to run, but torch.use_deterministic_algorithms(True) is set: "
         "give the aux tensors no gradient (requires_grad=False), or turn it off for this call"
     )
     if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=5)
         return
     raise RuntimeError(message)
 

@@ -26,6 +26,27 @@ from functools import lru_cache
 import cuda.tile as ct
 import torch
 
+from tilegym.ops.attention.aux_gradients import FIXED_SCALE, MAGNITUDE_LIMIT, MAGNITUDE_SCALE, SHARE_LIMIT
+
+
+def add_to_aux_grad(aux_grads, slot, index, values):
+    """aux_grad's way to add values into the gradient of aux tensor `slot` at index, as
+    ct.atomic_add(aux_grads[slot], index, values) would: index is a tuple with one index (tile or
+    scalar) per dim of the aux tensor. An aux_grad that adds only through this function gets
+    bitwise-repeatable gradients under torch.use_deterministic_algorithms(True), where its
+    buffers are fixed-point integers (aux_gradients.py)."""
+    target = aux_grads[slot]
+    if target.dtype == ct.int64:
+        ct.atomic_add(target, (0,) + index, ct.astype(ct.floor(values * FIXED_SCALE + 0.5), ct.int64))
+        size = ct.abs(values)
+        units = ct.where(size < SHARE_LIMIT, ct.ceil(size * MAGNITUDE_SCALE), MAGNITUDE_LIMIT)
+        ct.atomic_add(target, (1,) + index, ct.astype(units, ct.int64))
+    else:
+        ct.atomic_add(target, index, values)
+
+
+add_to_aux_grad.sums_repeatably = True  # aux_gradients.adds_atomically: the adds it makes are
+
 
 def additive_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
     """score_mod_grad of any score_mod that adds a term to the score: d(score + x)/d score = 1."""
@@ -97,7 +118,8 @@ def alibi(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> dict:
 def relative_position_bias(table: torch.Tensor, max_distance: int) -> dict:
     """T5-style learned relative positions: score + table[h, clamp(j - i, -max_distance,
     max_distance) + max_distance] with table [Hq, 2 * max_distance + 1]. When table requires
-    grad it gets one, summed by atomic adds (its last bits vary from run to run).
+    grad it gets one, summed by atomic adds (its last bits vary from run to run; bitwise
+    repeatable under torch.use_deterministic_algorithms(True), add_to_aux_grad).
 
     A tile whose pairs all lie beyond max_distance on one side reads one end of the table once
     instead of an entry per score: with long sequences, most tiles."""
@@ -144,13 +166,13 @@ def _relative_table_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
     # each, since one atomic add per pair would all land on one address. Pairs within it add one
     # by one, and only in tiles that have some.
     offset = kv_idx - q_idx
-    ct.atomic_add(aux_grads[0], (h, 0), ct.sum(ct.where(offset < -_REACH, grad, 0.0)))
-    ct.atomic_add(aux_grads[0], (h, 2 * _REACH), ct.sum(ct.where(offset > _REACH, grad, 0.0)))
+    add_to_aux_grad(aux_grads, 0, (h, 0), ct.sum(ct.where(offset < -_REACH, grad, 0.0)))
+    add_to_aux_grad(aux_grads, 0, (h, 2 * _REACH), ct.sum(ct.where(offset > _REACH, grad, 0.0)))
     near = (offset >= -_REACH) & (offset <= _REACH)
     if ct.sum(ct.where(near, 1, 0)) > 0:
         # Far pairs get an index past the table, which the bounds check drops.
         index = ct.where(near, offset + _REACH, 2 * _REACH + 1)
-        ct.atomic_add(aux_grads[0], (h, index), grad)
+        add_to_aux_grad(aux_grads, 0, (h, index), grad)
 
 
 def _same_document(b, h, q_idx, kv_idx, mask_aux):

@@ -75,7 +75,7 @@ class UserArgs:
     h: Value
     aux: Value  # tuple of AUX_SLOTS arrays
     mask_aux: Value  # tuple of AUX_SLOTS arrays
-    aux_grads: Value  # tuple of AUX_SLOTS fp32 arrays (the dK/dV kernel), else ()
+    aux_grads: Value  # tuple of AUX_SLOTS arrays (the dK/dV kernel; aux_gradients.buffers), else ()
     sums_aux_grads: Value  # compile-time: this kernel calls aux_grad (only one kernel may)
 
 
