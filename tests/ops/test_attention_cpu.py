@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import cuda.tile as ct
 import pytest
 import torch
 
@@ -547,6 +548,22 @@ _MASK_ALONE = ScoreMods(user=programmable.user_functions(mask_mod=_DOCUMENTS["ma
 _SCORE_AND_MASK = ScoreMods(
     user=programmable.user_functions(**score_functions.softcap(30.0), mask_mod=_DOCUMENTS["mask_mod"])
 )
+_SOFTCAP_FUNCTION = ScoreMods(user=programmable.user_functions(**score_functions.softcap(30.0)))
+_ALIBI_FUNCTION = score_functions.alibi(torch.zeros(2), 8, 8)
+_ALIBI_FUNCTION = ScoreMods(
+    user=programmable.user_functions(_ALIBI_FUNCTION["score_mod"], score_functions.additive_grad)
+)
+
+
+def _undeclared_alibi(score, b, h, q_idx, kv_idx, aux):
+    return score - ct.gather(aux[0], h) * ct.abs(ct.astype(q_idx - kv_idx, score.dtype))
+
+
+_UNDECLARED = ScoreMods(user=programmable.user_functions(_undeclared_alibi, score_functions.additive_grad))
+_TABLE = score_functions.relative_position_bias(torch.zeros(2, 9), 4)
+_FROZEN_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"], _TABLE["score_mod_grad"]))
+_LEARNED_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"], _TABLE["score_mod_grad"],
+                                                            _TABLE["aux_grad"]))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -563,7 +580,13 @@ _SCORE_AND_MASK = ScoreMods(
         (ScoreMods(alibi=True, window=(64, 0)), 128, False),  # spilled (variants.WINDOW_OR_ALIBI)
         (_MASK_ALONE, 128, True),  # a mask function hides scores as a window does
         (_MASK_ALONE, 64, False),  # FUSED_SHORT_LOOPS_HEAD_DIM_TILES
-        (_SCORE_AND_MASK, 128, False),  # a score function is not in Variant.modifiers
+        (_SCORE_AND_MASK, 128, False),  # a score function with a mask is not in Variant.modifiers
+        (_SOFTCAP_FUNCTION, 128, True),  # declared elementwise (score_functions.elementwise)
+        (_ALIBI_FUNCTION, 96, True),
+        (_ALIBI_FUNCTION, 64, False),  # FUSED_FUNCTION_HEAD_DIM_TILES
+        (_UNDECLARED, 128, False),  # compile time and speed unknown: two kernels
+        (_FROZEN_TABLE, 128, False),  # a table read per score: slower fused, so not declared
+        (_LEARNED_TABLE, 128, False),
     ],
     ids=[
         "window",
@@ -578,6 +601,12 @@ _SCORE_AND_MASK = ScoreMods(
         "mask",
         "mask-d64",
         "score-and-mask",
+        "softcap-function",
+        "alibi-function-d96",
+        "alibi-function-d64",
+        "undeclared-function",
+        "frozen-table",
+        "learned-table",
     ],
 )
 def test_op_fused_backward_takes_only_the_switches_it_compiles_with(monkeypatch, mods, head_dim, fused):
@@ -621,6 +650,20 @@ def test_op_fused_backward_takes_softcap_only_dense_ungrouped_at_d128(monkeypatc
     assert configs.BACKWARD_FUSED_GROUPED not in names and configs.BACKWARD_FUSED not in names
     names, _, _ = _recorded_backward(monkeypatch, MIN_FUSED, 128, q_heads=2, batch=1, causal=True, mods=capped)
     assert names == [configs.BACKWARD_PREPROCESS, configs.BACKWARD_FUSED]
+
+
+@pytest.mark.parametrize("choice", ["auto", "fused"])
+def test_op_fused_backward_takes_only_declared_score_functions(monkeypatch, choice):
+    """Forced or not, only a score function declared elementwise takes the fused backward, dense
+    and ungrouped (perf-notes#elementwise-functions-fused)."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    for mods, fused in ((_ALIBI_FUNCTION, True), (_UNDECLARED, False), (_LEARNED_TABLE, False)):
+        names, _, _ = _recorded_backward(monkeypatch, MIN_FUSED, 128, q_heads=2, batch=1, causal=True, mods=mods)
+        assert (configs.BACKWARD_FUSED in names) == fused
+    names, _, _ = _recorded_backward(
+        monkeypatch, MIN_FUSED, 128, q_heads=4, batch=1, causal=True, mods=_ALIBI_FUNCTION
+    )  # fmt: skip
+    assert configs.BACKWARD_FUSED_GROUPED not in names and configs.BACKWARD_FUSED not in names
 
 
 def test_op_fused_backward_grouped_takes_a_mask_function(monkeypatch):

@@ -221,6 +221,46 @@ def test_op_attention_masks_fused_backward(name, monkeypatch, force_config):
     assert ran_with(fused, config)
 
 
+# A score function declared elementwise (ALiBi, softcap) alone takes the fused backward at
+# D=80-128, dense, ungrouped: forced here on rows shorter than "auto" fuses from; causal and not,
+# Sq != Sk, GQA without a causal mask, fp16.
+FUSED_FUNCTION_CASES = {
+    "alibi-causal-d128": (Case("alibi-d128", 2, 4, 4, 300, 300, 128), True, _alibi, torch.bfloat16),
+    "alibi-sq-gt-sk-d96": (Case("alibi-d96", 2, 4, 2, 333, 200, 96), False, _alibi, torch.bfloat16),
+    "softcap-gqa-d128": (Case("softcap-gqa", 2, 8, 2, 257, 257, 128), False, _softcap, torch.bfloat16),
+    "softcap-causal-sq-lt-sk": (Case("softcap-d128", 2, 4, 4, 150, 300, 128), True, _softcap, torch.float16),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_FUNCTION_CASES))
+def test_op_attention_elementwise_functions_fused_backward(name, monkeypatch, force_config):
+    case, causal, build, dtype = FUSED_FUNCTION_CASES[name]
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    config = configs.candidates(configs.BACKWARD_FUSED, "sm_90", case.head_dim, 2, configs.ScoreTables.FUNCTIONS)[0]
+    force_config(configs.BACKWARD_FUSED, config)
+    check_case(case, dtype, causal, build)
+    assert ran_with(configs.BACKWARD_FUSED, config)
+
+
+# A score function's training forward (with the LSE) at D=128 has the same candidates as its
+# inference forward: each forced, with the backward after it.
+TRAINING_FORWARD_FUNCTION_CONFIGS = configs.candidates(
+    configs.FORWARD_LSE, "sm_90", 128, 2, configs.ScoreTables.FUNCTIONS
+)
+
+
+@pytest.mark.parametrize(
+    "config", TRAINING_FORWARD_FUNCTION_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}-ctas{c.num_ctas or 1}"
+)
+@pytest.mark.parametrize("name", ["alibi-sq-gt-sk", "softcap-gqa-causal", "relative-in-documents-causal"])
+def test_op_attention_programmable_training_forward_configs(name, config, force_config):
+    case, causal, build = CASES[name]
+    case = dataclasses.replace(case, why=f"{case.why}-d128", head_dim=128)
+    force_config(configs.FORWARD_LSE, config)
+    check_case(case, torch.bfloat16, causal, build)
+    assert ran_with(configs.FORWARD_LSE, config)
+
+
 # A score function's inference forward at D=128 runs on one CTA or plain attention's CTA
 # clusters, as the tuner picks: each candidate forced, GQA and Sq != Sk, with a table read per
 # score and with a mask.

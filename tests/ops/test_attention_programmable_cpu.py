@@ -249,8 +249,8 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     config of the tables its switches pick (configs.score_tables), and the score functions (which
     every step pays for) keep the matmuls pipelined; a mask alone runs plain attention's forward
     tiles (CTA clusters) and dK/dV tiles, where it spills nothing at D=64 and 128, and the fused
-    backward's at D=128; a score function's inference forward at D=128 runs on CTA clusters
-    too."""
+    backward's at D=128; a score function's forward at D=128 runs on CTA clusters too, and one
+    declared elementwise (ALiBi, softcap) on the fused backward."""
     if sass.cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
     kwargs, arrays, masks = _READY_MADE[name]
@@ -262,7 +262,9 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     if tables == configs.ScoreTables.MASKS:
         launches += [(FORWARD_LSE, 128), (BACKWARD_DKDV, 128), (BACKWARD_FUSED, 128), (BACKWARD_FUSED_GROUPED, 128)]
     if tables == configs.ScoreTables.FUNCTIONS:
-        launches.append((FORWARD, 128))
+        launches += [(FORWARD, 128), (FORWARD_LSE, 128)]
+    if functions.elementwise and functions.aux_grad is None and functions.mask_mod is None:
+        launches.append((BACKWARD_FUSED, 128))
     with tempfile.TemporaryDirectory() as workdir:
         for variant, head_dim in launches:
             config = configs.candidates(variant, "sm_90", head_dim, 2, tables)[0]

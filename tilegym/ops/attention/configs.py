@@ -162,10 +162,11 @@ _SM90_FORWARD_MASKED = _SM90_FORWARD_MODIFIED | {
 # softcap as a function, but not with ALiBi or a relative-position table as functions, whose
 # backward it ran 13-22% faster (perf-notes#function-dkdv); the tuner times all three.
 _SM90_DKDV_FUNCTIONS = _SM90_DKDV_MODIFIED | {128: [*_SM90_DKDV_MODIFIED[128], _c(64, 64, occupancy=2)]}
-# Its inference forward at D=128 also tries plain attention's CTA clusters: the tuner's pick ran
-# 0-11% faster than one CTA (softcap and ALiBi as functions most; a relative-position table
-# stays on one CTA, twice as fast there). The training forward keeps one CTA: its fwd+bwd did
-# not move (perf-notes#function-forward-clusters). At D=64 the clusters wait for each matmul.
+# Its forward at D=128 also tries plain attention's CTA clusters: the tuner's pick ran 0-11%
+# faster than one CTA (softcap and ALiBi as functions most; a relative-position table stays on
+# one CTA, twice as fast there; perf-notes#function-forward-clusters). In training, with the
+# fused backward, fwd+bwd -3 to -4% at 4096 keys, +2% (ALiBi) and -3% (softcap) at 16384
+# (perf-notes#elementwise-functions-fused). At D=64 the clusters wait for each matmul.
 _SM90_FORWARD_FUNCTIONS = _SM90_FORWARD_MODIFIED | {128: _SM90_FORWARD_MASKED[128]}
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
@@ -329,7 +330,11 @@ MASK_TABLES = {
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_MASKED,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
 }
-FUNCTION_TABLES = {("sm_90", FORWARD): _SM90_FORWARD_FUNCTIONS, ("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS}
+FUNCTION_TABLES = {
+    ("sm_90", FORWARD): _SM90_FORWARD_FUNCTIONS,
+    ("sm_90", FORWARD_LSE): _SM90_FORWARD_FUNCTIONS,
+    ("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS,
+}
 SCORE_TABLES = {
     ScoreTables.MODIFIED: MODIFIED_TABLES,
     ScoreTables.ALIBI: ALIBI_TABLES,

@@ -43,6 +43,9 @@ class UserFunctions:
     aux_grad: Callable | None = None
     mask_mod: Callable | None = None
     fingerprint: str = ""
+    # score_mod declared a few elementwise operations per score (score_functions.elementwise):
+    # it may run where plain attention's kernels do (dispatch.fused_backward).
+    elementwise: bool = False
 
     def __eq__(self, other):
         return isinstance(other, UserFunctions) and self.fingerprint == other.fingerprint
@@ -70,13 +73,15 @@ def user_functions(score_mod=None, score_mod_grad=None, aux_grad=None, mask_mod=
                 raise ValueError(f"{role} is given without score_mod")
     if all(function is None for function in given.values()):
         return None
+    elementwise = bool(getattr(score_mod, "elementwise", False))
     digest = hashlib.sha256()
     for role, function in given.items():
         digest.update(role.encode() + b"=")
         if function is not None:
             digest.update(fingerprint(function, role).encode())
         digest.update(b";")
-    return UserFunctions(**given, fingerprint=digest.hexdigest())
+    digest.update(b"elementwise" if elementwise else b"")
+    return UserFunctions(**given, fingerprint=digest.hexdigest(), elementwise=elementwise)
 
 
 # user_functions of recent calls, by the function objects themselves (held here, so an object's

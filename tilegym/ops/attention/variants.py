@@ -54,6 +54,10 @@ WINDOW_ALIBI_OR_MASKS = (*WINDOW_OR_ALIBI, frozenset({"masks"}))
 # stores) and still ran 20-23% faster than two kernels (perf-notes#fused-backward-softcap); in
 # the grouped form (21 inside its loops) it is unmeasured.
 WINDOW_ALIBI_MASKS_OR_SOFTCAP = (*WINDOW_ALIBI_OR_MASKS, frozenset({"capped"}))
+# A score function alone, where it is declared elementwise (score_functions.elementwise;
+# dispatch.fused_backward checks): ALiBi and softcap as functions ran 11-30% faster there
+# (perf-notes#elementwise-functions-fused).
+FUSED_MODIFIERS = (*WINDOW_ALIBI_MASKS_OR_SOFTCAP, frozenset({"functions"}))
 # The fixed-max forward: plain scores, or ALiBi alone, whose scores fall with distance from the
 # diagonal it starts from (kernels/forward.py, _key_loops).
 PLAIN_OR_ALIBI = (frozenset({"alibi"}),)
@@ -147,7 +151,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _DKDV_KERNEL,
                 _KEY_TILES,
                 "fused backward: dK, dV and dQ summed by TMA reductions",
-                modifiers=WINDOW_ALIBI_MASKS_OR_SOFTCAP,
+                modifiers=FUSED_MODIFIERS,
                 default=False,
                 sum_dq=True,
                 sum_dkdv=False,
