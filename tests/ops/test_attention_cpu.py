@@ -779,6 +779,10 @@ MIN_FIXED_MAX = dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
         (64, 8, MIN_FIXED_MAX[64] + 4, True, torch.float16, ScoreMods(alibi=True), True),
         (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(alibi=True), False),
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(alibi=True, softcap=30.0), False),
+        # A causal score function alone starts from the diagonal as ALiBi does; not with a mask.
+        (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, _UNDECLARED, True),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, _UNDECLARED, False),
+        (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, _SCORE_AND_MASK, False),
         (256, 8, 1 << 16, False, torch.bfloat16, None, False),  # no table
         (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, "wide", False),  # int64 indexing
     ],

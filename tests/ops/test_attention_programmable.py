@@ -36,7 +36,7 @@ from tilegym import (
     tile_fmha_functional,
     tile_fmha_with_backward,
 )
-from tilegym.ops.attention import configs
+from tilegym.ops.attention import configs, dispatch
 from tilegym.ops.attention import score_functions as sf
 from tilegym.ops.attention.reference import attention_reference
 
@@ -240,6 +240,59 @@ def test_op_attention_elementwise_functions_fused_backward(name, monkeypatch, fo
     force_config(configs.BACKWARD_FUSED, config)
     check_case(case, dtype, causal, build)
     assert ran_with(configs.BACKWARD_FUSED, config)
+
+
+def _far_keys_score(score, b, h, q_idx, kv_idx, aux):
+    return score + ct.where(kv_idx < 64, 100.0, 0.0)
+
+
+def _far_keys(case, dtype):
+    """The first 64 keys score 100 above the rest: against the diagonal's row max, the fixed-max
+    forward's probabilities overflow there, and it must compute the tile again."""
+    cols = torch.arange(case.seqlen_k, device="cuda")
+    bias = torch.where(cols < 64, 100.0, 0.0).double()[None, None, None, :]
+    return {"score_mod": _far_keys_score, "score_mod_grad": sf.additive_grad}, {"attn_bias": lambda _: bias}, []
+
+
+# A causal score function alone keeps a fixed row max from the diagonal's tiles at long rows
+# (dispatch.fixed_max_forward: 2048 keys per query on average at D=128): square and Sq < Sk,
+# with a table read per score, and with an overflow that forces the running max again.
+_LONG = 2 * dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[128] + 3
+FIXED_MAX_FUNCTION_CASES = {
+    "alibi-square": (Case("fixed-max-alibi", 1, 2, 1, _LONG, _LONG, 128), _alibi),
+    "alibi-300-queries": (Case("fixed-max-alibi-300", 1, 2, 2, 300, _LONG // 2 + 153, 128), _alibi),
+    "softcap-gqa": (Case("fixed-max-softcap", 1, 4, 2, _LONG, _LONG, 128), _softcap),
+    "relative-table": (Case("fixed-max-relative", 1, 2, 1, _LONG, _LONG, 128), _relative),
+}
+FIXED_MAX_FUNCTION_CONFIG = configs.candidates(
+    configs.FORWARD_LSE_FIXED_MAX, "sm_90", 128, 2, configs.ScoreTables.FUNCTIONS
+)[0]
+
+
+@pytest.mark.parametrize("name", list(FIXED_MAX_FUNCTION_CASES))
+def test_op_attention_function_fixed_max_forward(name, force_config):
+    case, build = FIXED_MAX_FUNCTION_CASES[name]
+    force_config(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
+    check_case(case, torch.bfloat16, True, build)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
+
+
+def test_op_attention_function_fixed_max_forward_recomputes_after_overflow(force_config):
+    """Keys scored far above the diagonal's row max overflow the fixed-max forward's
+    probabilities: each query tile is computed again with a running max (output and LSE; the
+    gradients of this function are not checked here, see docs/attention.md, Limits)."""
+    case = Case("fixed-max-overflow", 1, 2, 1, _LONG, _LONG, 128)
+    force_config(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
+    q, k, v = make_inputs(case, torch.bfloat16)
+    ours_kwargs, ref_kwargs, _ = _far_keys(case, torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    _poison_allocator()
+    out, lse = tile_fmha_with_backward(*leaves, is_causal=True, return_lse=True, **ours_kwargs)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
+    ref_out, ref_lse, _ = _reference(q, k, v, True, ref_kwargs, [], torch.float64)
+    base_out, _, _ = _reference(q, k, v, True, ref_kwargs, [], torch.bfloat16)
+    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
 
 
 # A score function's training forward (with the LSE) at D=128 has the same candidates as its

@@ -119,13 +119,15 @@ def split_dkdv(problem: AttentionProblem, candidates) -> bool:
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
-    plain attention (sinks allowed), or causal ALiBi alone, with enough keys per query for it to
-    win, where the arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
+    plain attention (sinks allowed), or causal ALiBi or a causal score function alone, with
+    enough keys per query for it to win, where the arch has a table for it (16-bit inputs; fp32
+    and fp64 keep the running max).
     Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
     the running-max one is ordinary."""
-    # The variant's switches say which calls it takes; its ALiBi needs the causal diagonal.
-    takes = VARIANTS[FORWARD_FIXED_MAX].takes_switches(problem.mods.switches)
-    if not takes or (problem.mods.alibi and not problem.causal):
+    # The variant's switches say which calls it takes; its ALiBi and score functions need the
+    # causal diagonal to start from.
+    switches = problem.mods.switches
+    if not VARIANTS[FORWARD_FIXED_MAX].takes_switches(switches) or (switches and not problem.causal):
         return False
     if problem.wide_index or not candidates(FORWARD_FIXED_MAX):
         return False

@@ -59,8 +59,9 @@ WINDOW_ALIBI_MASKS_OR_SOFTCAP = (*WINDOW_ALIBI_OR_MASKS, frozenset({"capped"}))
 # (perf-notes#elementwise-functions-fused).
 FUSED_MODIFIERS = (*WINDOW_ALIBI_MASKS_OR_SOFTCAP, frozenset({"functions"}))
 # The fixed-max forward: plain scores, or ALiBi alone, whose scores fall with distance from the
-# diagonal it starts from (kernels/forward.py, _key_loops).
-PLAIN_OR_ALIBI = (frozenset({"alibi"}),)
+# diagonal it starts from (kernels/forward.py, _key_loops), or a score function alone, which
+# starts there too (perf-notes#function-fixed-max).
+PLAIN_ALIBI_OR_FUNCTIONS = (frozenset({"alibi"}), frozenset({"functions"}))
 
 
 def _variant(name, kernel_name, grid, about, modifiers=ANY_SCORES, default=True, **fixed) -> Variant:
@@ -115,7 +116,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "inference forward, a fixed row max per query tile",
-                modifiers=PLAIN_OR_ALIBI,
+                modifiers=PLAIN_ALIBI_OR_FUNCTIONS,
                 default=False,
                 write_lse=False,
                 fixed_max=True,
@@ -125,7 +126,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "training forward, a fixed row max per query tile",
-                modifiers=PLAIN_OR_ALIBI,
+                modifiers=PLAIN_ALIBI_OR_FUNCTIONS,
                 default=False,
                 write_lse=True,
                 fixed_max=True,

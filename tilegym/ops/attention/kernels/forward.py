@@ -127,24 +127,32 @@ def _first_step_fixed_max(first, state, tile):
 
 @ct.function
 def _loop_fixed_max(first, last, state, tile):
-    """Unmasked steps of plain attention (or ALiBi alone) against a fixed row max: no running
-    max, no rescale.
+    """Unmasked steps of plain attention (ALiBi or a score function alone) against a fixed row
+    max: no running max, no rescale.
 
-    state's row max (raw units) is that of the first key tiles visited. Later scores may exceed it, so
-    probabilities may exceed 1; fp32 sums and P hold them with the same relative precision
-    until something overflows (bf16 P shares fp32's range, fp16 P ends at 65504, 2^16 above
-    the first tile's max), which _overflowed tells after the loops.
+    state's row max (raw units, base 2 with a score function) is that of the first key tiles
+    visited. Later scores may exceed it, so probabilities may exceed 1; fp32 sums and P hold
+    them with the same relative precision until something overflows (bf16 P shares fp32's
+    range, fp16 P ends at 65504, 2^16 above the first tile's max), which _overflowed tells after
+    the loops.
     """
-    tiling = tile.scoring.tiling
-    qk_scale_log2 = tile.scoring.qk_scale_log2
+    scoring = tile.scoring
+    tiling = scoring.tiling
+    qk_scale_log2 = scoring.qk_scale_log2
+    raw_units = keeps_raw_scores(scoring.switches)
     row_max, row_sum, acc = state.row_max, state.row_sum, state.acc
     acc_dtype = row_sum.dtype
-    max_log2 = row_max * qk_scale_log2
+    max_log2 = row_max * qk_scale_log2 if raw_units else row_max
     for kv_tile in range(first, last):
         k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.qk)
         raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
-        raw = raw_scores(raw, tile.q_tile, kv_tile, tile.scoring, tile.q.main.dtype)
-        probs = exp2(raw * qk_scale_log2 - max_log2)
+        if raw_units:
+            raw = raw_scores(raw, tile.q_tile, kv_tile, scoring, tile.q.main.dtype)
+            probs = exp2(raw * qk_scale_log2 - max_log2)
+        else:
+            cols = key_columns(kv_tile, tiling.block_n, False, scoring.switches)
+            step_scores, _, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
+            probs = exp2(step_scores - max_log2)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
         v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
         acc = head_product(probs.astype(v.main.dtype), v, acc, tiling.value)
@@ -167,14 +175,17 @@ def _overflowed(state, value_split):
 def _key_loops(segments, state, tile, fixed_max: ConstBool):
     """The updates of a query tile with every key tile it sees (segments), or with fixed_max
     (plain attention, fp32 accumulators, no window) the unmasked steps after the first against
-    its row max, or (causal ALiBi alone) the unmasked steps against the row max of the masked
-    ones; should anything overflow, the tile is computed again with a running max. The check
+    its row max, or (causal ALiBi or a causal score function alone) the unmasked steps against
+    the row max of the masked ones; should anything overflow, the tile is computed again with a running max. The check
     costs every program a cross-warp reduction. A row that sees no key of the masked tiles keeps
     max -inf, which overflows at its first unmasked step: that tile takes the running max."""
     if fixed_max:
-        if tile.scoring.switches.alibi:
+        if tile.scoring.switches.alibi or tile.scoring.switches.user.score_mod is not None:
             # ALiBi lowers scores with distance: the diagonal's tiles (masked, running max) hold
-            # each row's largest, which then stays fixed for the rest, farther and lower.
+            # each row's largest, which then stays fixed for the rest, farther and lower. A
+            # score function (causal, as ALiBi) starts there too: recent keys are where a
+            # position-dependent score is likeliest to peak, and any order is right, overflow
+            # aside.
             fast = _forward_loop(segments.full_end, segments.end, state, tile, True)
             fast = _loop_fixed_max(0, segments.full_end, fast, tile)
         else:
