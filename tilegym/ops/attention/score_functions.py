@@ -14,6 +14,11 @@ against the scores (their orientation differs between kernels: write elementwise
 aux, the call's tensors as cuTile arrays (read with ct.gather). Numbers a function closes over
 are compile-time constants (a kernel per value): learnable or per-call values go in aux.
 
+aux_grad adds its shares with add_to_aux_grad (bitwise repeatable under
+torch.use_deterministic_algorithms); a score function of a few elementwise operations that reads
+no table per score may be declared so with @elementwise, which lets it run on the fused
+backward (the ready-made ALiBi and softcap are).
+
 A factory called again with the same numbers returns the same function objects: the host
 reads a function's fingerprint once per object, and torch.compile traces once per object. Its
 numbers are globals of its functions' own copies, not closures (_specialized says why): a

@@ -176,8 +176,8 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
     """The updates of a query tile with every key tile it sees (segments), or with fixed_max
     (plain attention, fp32 accumulators, no window) the unmasked steps after the first against
     its row max, or (causal ALiBi or a causal score function alone) the unmasked steps against
-    the row max of the masked ones; should anything overflow, the tile is computed again with a running max. The check
-    costs every program a cross-warp reduction. A row that sees no key of the masked tiles keeps
+    the row max of the masked ones; should anything overflow, the tile is computed again with a
+    running max. The check costs every program a cross-warp reduction. A row that sees no key of the masked tiles keeps
     max -inf, which overflows at its first unmasked step: that tile takes the running max."""
     if fixed_max:
         if tile.scoring.switches.alibi or tile.scoring.switches.user.score_mod is not None:
