@@ -165,7 +165,7 @@ def test_op_attention_fused_backward(name, head_dim, monkeypatch):
 
 
 # Softcap alone takes the fused backward dense and ungrouped on the D=128 table (96 runs there as
-# 64 + 32; dispatch.FUSED_SOFTCAP_HEAD_DIM_TILES): forced, causal and not, Sq != Sk, caps that
+# 64 + 32; dispatch.FUSED_SCORES_HEAD_DIM_TILES): forced, causal and not, Sq != Sk, caps that
 # bend most scores (2) and few (30).
 SOFTCAP_FUSED_CASES = {
     "full-odd": (Case("odd-d128", 2, 3, 3, 77, 77, 128), False, 2.0),

@@ -18,6 +18,8 @@ from functools import lru_cache
 
 import torch
 
+from tilegym.ops.attention import programmable
+
 # A share x adds round(x * FIXED_SCALE); its magnitude adds ceil(|x| * MAGNITUDE_SCALE).
 FIXED_SCALE = 2.0**32
 MAGNITUDE_SCALE = 2.0**8
@@ -56,18 +58,10 @@ def _names_atomic_add(function, seen: set) -> bool:
     if getattr(function, "sums_repeatably", False) or function in seen:
         return False
     seen.add(function)
-    code = function.__code__
-    names = set(_code_names(code))
+    names = programmable.code_names(function.__code__)
     if "atomic_add" in names:
         return True
     called = (function.__globals__.get(name) for name in names)
     closed = (cell.cell_contents for cell in function.__closure__ or ())
     return any(_names_atomic_add(value, seen) for value in (*called, *closed) if callable(value) and
                hasattr(value, "__code__"))  # fmt: skip
-
-
-def _code_names(code):
-    yield from code.co_names
-    for constant in code.co_consts:
-        if hasattr(constant, "co_names"):
-            yield from _code_names(constant)

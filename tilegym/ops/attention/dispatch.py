@@ -31,13 +31,11 @@ FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 # Packed without a causal mask (nor a window or a mask function) the fused backward also won at
 # D=64: bwd -4 to -5%, fwd+bwd -3 to -8% (causal: +6%; perf-notes#fused-backward-packed).
 FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
-# Softcap alone takes the fused backward where it was measured: D=128, dense (bwd -20 to -23%,
-# perf-notes#fused-backward-softcap), forced or not. Keyed by head-dim tile.
-FUSED_SOFTCAP_HEAD_DIM_TILES = (128,)
-# A score function declared elementwise (score_functions.elementwise), alone and without an
-# aux gradient, takes it where measured: D=128, dense, from FUSED_BACKWARD_MIN_SEQLEN_K keys (ALiBi
-# and softcap as functions, bwd -11 to -30%; perf-notes#elementwise-functions-fused).
-FUSED_FUNCTION_HEAD_DIM_TILES = (128,)
+# Softcap alone, and a score function alone declared elementwise (score_functions.elementwise)
+# without an aux gradient, take the fused backward where they were measured, forced or not:
+# dense, at these head-dim tiles (softcap bwd -20 to -23%, perf-notes#fused-backward-softcap;
+# ALiBi and softcap as functions -11 to -30%, perf-notes#elementwise-functions-fused).
+FUSED_SCORES_HEAD_DIM_TILES = (128,)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -65,9 +63,9 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
     function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
     FUSED_PACKED_FULL_HEAD_DIM_TILES); ALiBi alone as plain attention (D=128: bwd 5-22% faster
-    than two kernels, perf-notes#alibi-fused-d128); softcap alone only dense at a head dim in
-    FUSED_SOFTCAP_HEAD_DIM_TILES, and not in the grouped form; a score function alone only declared
-    elementwise (_fused_function). Causal grouped-query attention takes
+    than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
+    declared elementwise without an aux gradient, only dense at a head dim in
+    FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form. Causal grouped-query attention takes
     the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
@@ -78,10 +76,11 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     if not VARIANTS[name].takes_switches(problem.mods.switches) or bias_grad or not candidates(name):
         return None
     tile = configs.head_dim_tile(problem.tuning_head_dim)
-    capped = "capped" in problem.mods.switches
-    if capped and (tile not in FUSED_SOFTCAP_HEAD_DIM_TILES or problem.packing is not None):
-        return None
-    if "functions" in problem.mods.switches and not _fused_function(problem, tile):
+    if not problem.mods.switches.isdisjoint({"capped", "functions"}):
+        if tile not in FUSED_SCORES_HEAD_DIM_TILES or problem.packing is not None:
+            return None
+    user = problem.mods.user
+    if "functions" in problem.mods.switches and not (user.elementwise and user.aux_grad is None):
         return None
     if problem.value_dim > problem.head_dim:
         # A V wider than Q adds dV accumulators the fused tables were not sized for: Dqk=64 with
@@ -97,15 +96,6 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     elif (hidden or problem.packing is not None) and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
         return None
     return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
-
-
-def _fused_function(problem: AttentionProblem, tile: int) -> bool:
-    """Whether a call's score function may take the fused backward: declared elementwise, without
-    an aux gradient (unmeasured there), dense, at a head dim in FUSED_FUNCTION_HEAD_DIM_TILES."""
-    user = problem.mods.user
-    return (
-        user.elementwise and user.aux_grad is None and problem.packing is None and tile in FUSED_FUNCTION_HEAD_DIM_TILES
-    )
 
 
 def split_dkdv(problem: AttentionProblem, candidates) -> bool:

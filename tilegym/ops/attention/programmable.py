@@ -128,7 +128,7 @@ def _feed_function(digest, function: types.FunctionType, role: str, seen: set) -
     for name, cell in zip(code.co_freevars, closure, strict=True):
         digest.update(name.encode())
         _feed_value(digest, cell.cell_contents, role, function, name, seen)
-    for name in _global_names(code):
+    for name in code_names(code):
         if name in function.__globals__:
             digest.update(name.encode())
             _feed_value(digest, function.__globals__[name], role, function, name, seen)
@@ -136,11 +136,12 @@ def _feed_function(digest, function: types.FunctionType, role: str, seen: set) -
         _feed_value(digest, default, role, function, "a default", seen)
 
 
-def _global_names(code: types.CodeType) -> list[str]:
+def code_names(code: types.CodeType) -> list[str]:
+    """The names a code object and the code nested in it read (globals and attributes)."""
     names = list(code.co_names)
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
-            names.extend(_global_names(constant))
+            names.extend(code_names(constant))
     return sorted(set(names))
 
 
