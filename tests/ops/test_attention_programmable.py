@@ -246,12 +246,33 @@ def _far_keys_score(score, b, h, q_idx, kv_idx, aux):
     return score + ct.where(kv_idx < 64, 100.0, 0.0)
 
 
-def _far_keys(case, dtype):
-    """The first 64 keys score 100 above the rest: against the diagonal's row max, the fixed-max
-    forward's probabilities overflow there, and it must compute the tile again."""
+def _far_keys_bias_tensor(case):
     cols = torch.arange(case.seqlen_k, device="cuda")
-    bias = torch.where(cols < 64, 100.0, 0.0).double()[None, None, None, :]
+    return torch.where(cols < 64, 100.0, 0.0).double()[None, None, None, :]
+
+
+def _far_keys(case, dtype):
+    """The first 64 keys score 100 above the rest, also in query rows past the sequence (Q zero
+    there): exp2 of their base-2 scores overflows unless the row's LSE is subtracted first."""
+    bias = _far_keys_bias_tensor(case)
     return {"score_mod": _far_keys_score, "score_mod_grad": sf.additive_grad}, {"attn_bias": lambda _: bias}, []
+
+
+@sf.elementwise
+def _far_keys_score_elementwise(score, b, h, q_idx, kv_idx, aux):
+    return score + ct.where(kv_idx < 64, 100.0, 0.0)
+
+
+def _far_keys_elementwise(case, dtype):
+    """_far_keys declared elementwise, which takes the fused backward where forced."""
+    ours, ref, learnable = _far_keys(case, dtype)
+    return {**ours, "score_mod": _far_keys_score_elementwise}, ref, learnable
+
+
+def _far_keys_one_row_bias(case, dtype):
+    """_far_keys as the built-in one-row bias, which scores rows past the sequence alike."""
+    bias = _far_keys_bias_tensor(case)
+    return {"attn_bias": bias.to(dtype)}, {"attn_bias": lambda _: bias}, []
 
 
 # A causal score function alone keeps a fixed row max from the diagonal's tiles at long rows
@@ -279,20 +300,34 @@ def test_op_attention_function_fixed_max_forward(name, force_config):
 
 def test_op_attention_function_fixed_max_forward_recomputes_after_overflow(force_config):
     """Keys scored far above the diagonal's row max overflow the fixed-max forward's
-    probabilities: each query tile is computed again with a running max (output and LSE; the
-    gradients of this function are not checked here, see docs/attention.md, Limits)."""
+    probabilities: each query tile is computed again with a running max. The rows, 4099, leave
+    the last query tile part empty, whose rows score 100 on those keys too: the backward must
+    give them probability 0 (gradients checked)."""
     case = Case("fixed-max-overflow", 1, 2, 1, _LONG, _LONG, 128)
     force_config(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
-    q, k, v = make_inputs(case, torch.bfloat16)
-    ours_kwargs, ref_kwargs, _ = _far_keys(case, torch.bfloat16)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
-    _poison_allocator()
-    out, lse = tile_fmha_with_backward(*leaves, is_causal=True, return_lse=True, **ours_kwargs)
+    check_case(case, torch.bfloat16, True, _far_keys)
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
-    ref_out, ref_lse, _ = _reference(q, k, v, True, ref_kwargs, [], torch.float64)
-    base_out, _, _ = _reference(q, k, v, True, ref_kwargs, [], torch.bfloat16)
-    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
-    assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
+
+
+# Far keys on the other backward paths: the fused backward (a function declared elementwise)
+# and the built-in one-row bias on two kernels, rows not a whole number of tiles.
+FAR_KEYS_CASES = {
+    "function-fused": (Case("far-keys-fused", 1, 2, 2, 1027, 1027, 128), True, _far_keys_elementwise, True),
+    "one-row-bias": (Case("far-keys-bias", 1, 2, 1, 1027, 1027, 128), True, _far_keys_one_row_bias, False),
+    "one-row-bias-d64-full": (Case("far-keys-bias-d64", 2, 2, 2, 300, 517, 64), False, _far_keys_one_row_bias, False),
+}
+
+
+@pytest.mark.parametrize("name", list(FAR_KEYS_CASES))
+def test_op_attention_far_keys_backward(name, monkeypatch, force_config):
+    case, causal, build, fused = FAR_KEYS_CASES[name]
+    if fused:
+        monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+        config = configs.candidates(configs.BACKWARD_FUSED, "sm_90", 128, 2, configs.ScoreTables.FUNCTIONS)[0]
+        force_config(configs.BACKWARD_FUSED, config)
+    check_case(case, torch.bfloat16, causal, build)
+    if fused:
+        assert ran_with(configs.BACKWARD_FUSED, config)
 
 
 # A score function's training forward (with the LSE) at D=128 has the same candidates as its

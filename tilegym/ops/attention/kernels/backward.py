@@ -19,7 +19,14 @@ from tilegym.ops.attention.kernels.head import (
     load_head,
     store_head,
 )
-from tilegym.ops.attention.kernels.modifiers import alibi_shifted_lse, head_mods, raw_gradient, scores, softcap_values
+from tilegym.ops.attention.kernels.modifiers import (
+    alibi_shifted_lse,
+    head_mods,
+    lifts_padded_rows,
+    raw_gradient,
+    scores,
+    softcap_values,
+)
 from tilegym.ops.attention.kernels.packed import bulk_once, has_no_rows, past_the_end, rows_of, sequence_rows
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
@@ -41,7 +48,6 @@ from tilegym.ops.attention.kernels.tiles import (
     ConstInt,
     accumulator_dtype,
     exp2,
-    load_lse_padded_inf,
     load_row_stat,
     log2e,
     scale,
@@ -54,7 +60,6 @@ from tilegym.ops.attention.kernels.user import (
     SCORE_MOD,
     SCORE_MOD_GRAD,
     over_listed_tiles,
-    score_modified,
     tile_lists,
     user_args,
     user_args_with_grads,
@@ -158,16 +163,18 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     q = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)  # [block_m, D]
     d_out = load_head(tile.dOut, b, q_head, q_tile, block_m, tiling.value)  # [block_m, Dv]
     sums_dv, sums_dk = tile.sums_dv, tile.sums_dk
-    if score_modified(scoring.switches):
-        lse = load_lse_padded_inf(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
-    else:
-        lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]
+    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
+    lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+    if lifts_padded_rows(scoring.switches):
+        # Rows past the sequence (Q zero there) load LSE 0, and a score function or a one-row
+        # bias may score them above 128 in base 2: exp2 would give inf, and inf * dOut's zero
+        # rows NaN in dV. An LSE of +inf gives them probability 0 whatever their scores.
+        lse = ct.where(rows < scoring.seqlens.q, lse, POS_INF)
     lse = alibi_shifted_lse(lse, q_tile, tile.kv_tile, scoring, k.main.dtype, True)
     delta = 0.0
     if sums_dk:
         delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
 
-    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
     raw_t = head_dot(k, q, ct.zeros((block_n, block_m), acc_dtype), tiling.qk)  # [block_n, block_m]
     if tile.sum_dq:
         if _holds_dq_share(tiling.qk):

@@ -45,6 +45,13 @@ def keeps_raw_scores(switches):
 
 
 @ct.function
+def lifts_padded_rows(switches):
+    """Whether a query row past the sequence (Q loaded as zeros) may score far above 0: a
+    caller's score function or a one-row bias can; the built-in softcap and ALiBi cannot."""
+    return switches.user.score_mod is not None or switches.bias_mode == BIAS_ONE_ROW
+
+
+@ct.function
 def raw_scores(raw, q_tile, kv_tile, scoring, input_dtype):
     """Raw products q.k, minus ALiBi's slope / scale * distance where it is on: scores in raw
     units for a forward that keeps them (keeps_raw_scores), which saves a multiply per score.

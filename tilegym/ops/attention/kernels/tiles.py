@@ -74,14 +74,6 @@ def load_row_stat(array, b, h, tile_index, rows: ConstInt):
 
 
 @ct.function
-def load_lse_padded_inf(array, b, h, tile_index, rows: ConstInt):
-    """load_row_stat of a base-2 LSE, +inf past the sequence: rows there get probability 0
-    whatever their scores (a caller's score function may give a padded row any value)."""
-    tile = ct.load(array, index=(b, h, tile_index), shape=(1, 1, rows), padding_mode=ct.PaddingMode.POS_INF)
-    return tile.reshape((rows,))
-
-
-@ct.function
 def store_row_stat(array, b, h, tile_index, tile, rows: ConstInt):
     ct.store(array, index=(b, h, tile_index), tile=tile.reshape((1, 1, rows)).astype(array.dtype))
 
