@@ -104,6 +104,24 @@ def test_op_sinks_window_fused_backward(head_dim, monkeypatch):
     check(case, torch.bfloat16, True, {"sinks": _sinks(case), "window_size": (100, 0)}, lse_grad=True)
 
 
+@pytest.mark.parametrize("backward", ["two-kernel", "fused"])
+def test_op_sinks_far_above_the_scores(backward, monkeypatch):
+    """A sink of 100 (natural units) on one head: its rows' probability goes to the sink. Rows past
+    the sequence in the last query tile load LSE 0, where exp(100) overflows: they must add
+    nothing to dSink (the dQ kernel's share, and the fused backward's preprocess)."""
+    from tilegym import autotune
+    from tilegym.ops.attention import configs
+
+    monkeypatch.setenv("TILEGYM_BACKWARD", backward)
+    case = Case("odd-gqa-d128", 2, 8, 2, 300, 300, 128)
+    sinks = _sinks(case, requires_grad=False)
+    sinks[0] = 100.0
+    autotune._chosen.clear()
+    check(case, torch.bfloat16, True, {"sinks": sinks.requires_grad_(), "window_size": (100, 0)}, lse_grad=True)
+    writes_row_stats = configs.BACKWARD_PREPROCESS if backward == "fused" else configs.BACKWARD_DQ
+    assert any(key[0] == writes_row_stats for key in autotune._chosen)
+
+
 LSE_CASES = {
     "plain-odd": (ODD, False, {}),
     "plain-causal-gqa": (GQA, True, {}),

@@ -94,13 +94,17 @@ def _row_stats(
 
 
 @ct.function
-def _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile):
+def _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile, seqlen_q, block_m: ConstInt):
     """Adds a query tile's share of dSink: -sum_i P_sink,i Delta_i with P_sink,i =
-    exp(sink - LSE_i), into DSinks[b, q_head, q_tile], summed by the host in a fixed order. Rows
-    past the sequence load Delta 0; a row whose LSE is -inf has base-2 LSE +inf: P_sink 0."""
+    exp(sink - LSE_i), into DSinks[b, q_head, q_tile], summed by the host in a fixed order. A row
+    whose LSE is -inf has base-2 LSE +inf: P_sink 0. Rows past the sequence (seqlen_q rows) load
+    Delta 0 and LSE 0 and are left out: a sink of 89 or more would make their P_sink inf, and
+    inf * 0 NaN."""
     acc_dtype = stats.delta.dtype
     sink_log2 = ct.load(Sinks, index=(q_head,), shape=(1,)).astype(acc_dtype) * log2e(acc_dtype)
-    share = -ct.sum(exp2(sink_log2 - stats.lse_base2) * stats.delta)
+    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)
+    shares = ct.where(rows < seqlen_q, exp2(sink_log2 - stats.lse_base2) * stats.delta, 0.0)
+    share = -ct.sum(shares)
     ct.store(DSinks, index=(b, q_head, q_tile), tile=share.reshape((1, 1, 1)).astype(DSinks.dtype))
 
 
@@ -132,7 +136,7 @@ def attention_backward_preprocess_kernel(
     d_out = load_head(dOut, b, q_head, q_tile, block_m, value_split, not varlen)
     stats = _row_stats(out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
-        _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile)
+        _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile, ct.astype(Out.shape[2], ct.int32), block_m)
 
 
 @ct.function
@@ -580,7 +584,7 @@ def attention_backward_dq_kernel(
     out = load_head(Out, b, q_head, q_tile, block_m, tiling.value, bulk)
     stats = _row_stats(out, d_out, tiling.value, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
     if sinks_grad:
-        _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile)
+        _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile, lengths.q, block_m)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     d_query = head_zeros(block_m, tiling.qk, acc_dtype)
 
