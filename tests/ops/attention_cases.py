@@ -87,11 +87,12 @@ def assert_close_to_reference(name, ours, baseline, reference, dtype):
         assert ours_err <= bound, f"{name}: {stat} error {ours_err:.3e} > {ratio} x the baseline's {base_err:.3e} + eps"
 
 
-def ran_with(kernel_name: str, config) -> bool:
-    """Whether a launch of that kernel ran that config (autotune's record of its choices)."""
+def ran_with(kernel_name: str, config=None) -> bool:
+    """Whether a launch of that kernel ran that config, or any config (None), by autotune's record
+    of its choices (cleared by force_config)."""
     from tilegym import autotune
 
-    return any(key[0] == kernel_name and chosen[0] == config for key, chosen in autotune._chosen.items())
+    return any(key[0] == kernel_name and config in (None, chosen[0]) for key, chosen in autotune._chosen.items())
 
 
 def make_inputs(case: Case, dtype, device="cuda", requires_grad=False, generator=None):

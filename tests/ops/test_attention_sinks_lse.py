@@ -10,10 +10,17 @@ import math
 import pytest
 import torch
 
-from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error, reference_run
+from tests.ops.attention_cases import (
+    Case,
+    assert_close_to_reference,
+    make_inputs,
+    max_error,
+    ran_with,
+    reference_run,
+)
 from tests.ops.conftest import requires_cuda
-from tilegym import fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
-from tilegym.ops.attention import launch
+from tilegym import autotune, fmha_forward_with_lse, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym.ops.attention import configs, launch
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_reference
 
@@ -109,9 +116,6 @@ def test_op_sinks_far_above_the_scores(backward, monkeypatch):
     """A sink of 100 (natural units) on one head: its rows' probability goes to the sink. Rows past
     the sequence in the last query tile load LSE 0, where exp(100) overflows: they must add
     nothing to dSink (the dQ kernel's share, and the fused backward's preprocess)."""
-    from tilegym import autotune
-    from tilegym.ops.attention import configs
-
     monkeypatch.setenv("TILEGYM_BACKWARD", backward)
     case = Case("odd-gqa-d128", 2, 8, 2, 300, 300, 128)
     sinks = _sinks(case, requires_grad=False)
@@ -119,7 +123,7 @@ def test_op_sinks_far_above_the_scores(backward, monkeypatch):
     autotune._chosen.clear()
     check(case, torch.bfloat16, True, {"sinks": sinks.requires_grad_(), "window_size": (100, 0)}, lse_grad=True)
     writes_row_stats = configs.BACKWARD_PREPROCESS if backward == "fused" else configs.BACKWARD_DQ
-    assert any(key[0] == writes_row_stats for key in autotune._chosen)
+    assert ran_with(writes_row_stats)
 
 
 LSE_CASES = {

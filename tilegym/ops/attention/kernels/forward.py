@@ -48,6 +48,7 @@ from tilegym.ops.attention.kernels.user import (
     SCORE_MOD,
     SCORE_MOD_GRAD,
     over_listed_tiles,
+    score_modified,
     tile_lists,
     user_args,
     user_functions,
@@ -180,7 +181,7 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
     running max. The check costs every program a cross-warp reduction. A row that sees no key of the masked tiles keeps
     max -inf, which overflows at its first unmasked step: that tile takes the running max."""
     if fixed_max:
-        if tile.scoring.switches.alibi or tile.scoring.switches.user.score_mod is not None:
+        if tile.scoring.switches.alibi or score_modified(tile.scoring.switches):
             # ALiBi lowers scores with distance: the diagonal's tiles (masked, running max) hold
             # each row's largest, which then stays fixed for the rest, farther and lower. A
             # score function (causal, as ALiBi) starts there too: recent keys are where a

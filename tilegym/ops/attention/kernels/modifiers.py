@@ -7,7 +7,7 @@ import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import HeadMods
 from tilegym.ops.attention.kernels.tiles import ZERO_PAD, ConstBool, ConstInt, log2e, scale
-from tilegym.ops.attention.kernels.user import user_score_gradient, user_scored
+from tilegym.ops.attention.kernels.user import score_modified, user_score_gradient, user_scored
 from tilegym.ops.attention.score_mods import BIAS_NONE, BIAS_ONE_ROW
 
 
@@ -48,7 +48,7 @@ def keeps_raw_scores(switches):
 def lifts_padded_rows(switches):
     """Whether a query row past the sequence (Q loaded as zeros) may score far above 0: a
     caller's score function or a one-row bias can; the built-in softcap and ALiBi cannot."""
-    return switches.user.score_mod is not None or switches.bias_mode == BIAS_ONE_ROW
+    return score_modified(switches) or switches.bias_mode == BIAS_ONE_ROW
 
 
 @ct.function
