@@ -25,6 +25,7 @@ from tilegym.ops.attention.kernels.modifiers import (
     lifts_padded_rows,
     raw_gradient,
     scores,
+    scores_log2,
     softcap_values,
 )
 from tilegym.ops.attention.kernels.packed import bulk_once, has_no_rows, past_the_end, rows_of, sequence_rows
@@ -191,9 +192,9 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         # The D=128 dK/dV kernel runs two CTAs per SM, where the flushed exp2's schedule spills
         # and gained nothing (perf-notes#leaner-softmax-exp2); the fused kernel, at one CTA per SM,
         # gains 1-3% from it (perf-notes#fused-backward-exp2-d128).
-        probs_t = ct.exp2(scores_t - lse)  # [block_n, block_m]
+        probs_t = ct.exp2(scores_log2(scores_t, scoring) - lse)  # [block_n, block_m]
     else:
-        probs_t = exp2(scores_t - lse)
+        probs_t = exp2(scores_log2(scores_t, scoring) - lse)
     if masked:
         probs_t = ct.where(visible(rows, tile.cols, scoring), probs_t, 0.0)
     # See the second load of Q below; masked steps (few) keep one load: with two, the causal
@@ -471,7 +472,7 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     step_scores, capped_tanh, natural = scores(
         raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False
     )
-    probs = exp2(step_scores - tile.lse)
+    probs = exp2(scores_log2(step_scores, scoring) - tile.lse)
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
     d_probs = head_dot(tile.d_out, v, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.value)

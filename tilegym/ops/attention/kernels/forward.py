@@ -2,7 +2,8 @@
 write_lse the row LSE the backward needs.
 
 Scores are kept in base 2 (scaled by softmax_scale * log2(e)) so exp2 does the softmax; plain
-attention keeps raw products instead and applies the scale inside exp2's argument.
+attention keeps raw products instead and applies the scale inside exp2's argument, and a score
+function's output stays in natural units, times log2(e) there (modifiers.keeps_scaled_scores).
 """
 
 import cuda.tile as ct
@@ -21,8 +22,11 @@ from tilegym.ops.attention.kernels.modifiers import (
     alibi_true_row_max,
     head_mods,
     keeps_raw_scores,
+    keeps_scaled_scores,
+    kept_to_log2,
     raw_scores,
     scores,
+    scores_log2,
     softcap_values,
 )
 from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
@@ -80,11 +84,11 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
         new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
     else:
         new_max_safe = new_max
-    qk_scale_log2 = scoring.qk_scale_log2
-    if raw_units:
+    if keeps_scaled_scores(scoring.switches):
         # The scale enters exp2's argument as one fused multiply-add per score.
-        probs = exp2(step_scores * qk_scale_log2 - new_max_safe * qk_scale_log2)
-        rescale = exp2((row_max - new_max_safe) * qk_scale_log2)
+        to_log2 = kept_to_log2(scoring, acc_dtype)
+        probs = exp2(step_scores * to_log2 - new_max_safe * to_log2)
+        rescale = exp2((row_max - new_max_safe) * to_log2)
     else:
         probs = exp2(step_scores - new_max_safe)
         rescale = exp2(row_max - new_max_safe)
@@ -131,29 +135,29 @@ def _loop_fixed_max(first, last, state, tile):
     """Unmasked steps of plain attention (ALiBi or a score function alone) against a fixed row
     max: no running max, no rescale.
 
-    state's row max (raw units, base 2 with a score function) is that of the first key tiles
-    visited. Later scores may exceed it, so probabilities may exceed 1; fp32 sums and P hold
+    state's row max (in the units the forward keeps, keeps_scaled_scores) is that of the first
+    key tiles visited. Later scores may exceed it, so probabilities may exceed 1; fp32 sums and P hold
     them with the same relative precision until something overflows (bf16 P shares fp32's
     range, fp16 P ends at 65504, 2^16 above the first tile's max), which _overflowed tells after
     the loops.
     """
     scoring = tile.scoring
     tiling = scoring.tiling
-    qk_scale_log2 = scoring.qk_scale_log2
     raw_units = keeps_raw_scores(scoring.switches)
     row_max, row_sum, acc = state.row_max, state.row_sum, state.acc
     acc_dtype = row_sum.dtype
-    max_log2 = row_max * qk_scale_log2 if raw_units else row_max
+    to_log2 = kept_to_log2(scoring, acc_dtype)
+    max_log2 = row_max * to_log2 if keeps_scaled_scores(scoring.switches) else row_max
     for kv_tile in range(first, last):
         k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.qk)
         raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
         if raw_units:
             raw = raw_scores(raw, tile.q_tile, kv_tile, scoring, tile.q.main.dtype)
-            probs = exp2(raw * qk_scale_log2 - max_log2)
+            probs = exp2(raw * to_log2 - max_log2)
         else:
             cols = key_columns(kv_tile, tiling.block_n, False, scoring.switches)
             step_scores, _, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
-            probs = exp2(step_scores - max_log2)
+            probs = exp2(scores_log2(step_scores, scoring) - max_log2)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
         v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
         acc = head_product(probs.astype(v.main.dtype), v, acc, tiling.value)
@@ -204,16 +208,16 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
 
 
 @ct.function
-def _with_sink(state, Sinks, q_head, raw_units: ConstBool, qk_scale_log2, value_split):
+def _with_sink(state, Sinks, q_head, scaled: ConstBool, to_log2, value_split):
     """state with the head's sink logit joined to each row's sum, and its row max in base-2
-    units (raw_units: it was in raw products). The sink takes probability mass and gives no
-    value: the accumulator is only rescaled to the new max. A row that saw no key gets the
-    sink alone: its output stays 0, its LSE is the sink."""
+    units (scaled: it was in units that to_log2 converts, keeps_scaled_scores). The sink takes
+    probability mass and gives no value: the accumulator is only rescaled to the new max. A row
+    that saw no key gets the sink alone: its output stays 0, its LSE is the sink."""
     acc_dtype = state.row_sum.dtype
     sink_log2 = ct.load(Sinks, index=(q_head,), shape=(1,)).astype(acc_dtype).reshape((1, 1)) * log2e(acc_dtype)
     row_max = state.row_max
-    if raw_units:
-        row_max = row_max * qk_scale_log2
+    if scaled:
+        row_max = row_max * to_log2
     new_max = ct.maximum(row_max, sink_log2)
     # A -inf sink on a row that saw no key: subtract 0 instead of -inf.
     new_max_safe = ct.where(new_max == NEG_INF, 0.0, new_max)
@@ -324,7 +328,8 @@ def attention_forward_kernel(
     state = ForwardState(row_max, state.row_sum, state.acc)
 
     if with_sinks:
-        state = _with_sink(state, Sinks, q_head, keeps_raw_scores(switches), qk_scale_log2, tiling.value)
+        to_log2 = kept_to_log2(scoring, acc_dtype)
+        state = _with_sink(state, Sinks, q_head, keeps_scaled_scores(switches), to_log2, tiling.value)
 
     # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
     # One reciprocal per row, not a division per element: the division's slow-path checks
@@ -334,7 +339,7 @@ def attention_forward_kernel(
     store_head(Out, b, q_head, q_tile, out, block_m, tiling.value, bulk)
     if write_lse:
         row_max = state.row_max
-        if keeps_raw_scores(switches) and not with_sinks:
-            row_max = row_max * qk_scale_log2
+        if keeps_scaled_scores(switches) and not with_sinks:
+            row_max = row_max * kept_to_log2(scoring, acc_dtype)
         lse = (row_max + ct.log2(row_sum)) * ln2(acc_dtype)
         store_row_stat(Lse, b, q_head, q_tile, lse, block_m)

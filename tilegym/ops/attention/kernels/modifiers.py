@@ -45,6 +45,42 @@ def keeps_raw_scores(switches):
 
 
 @ct.function
+def natural_scores(switches):
+    """Whether scores() gives natural-unit scores, a caller's score function's output
+    (user.user_scored), rather than base-2 ones."""
+    return score_modified(switches)
+
+
+@ct.function
+def keeps_scaled_scores(switches):
+    """Whether the forward keeps scores that exp2's argument scales to base 2 (kept_to_log2):
+    raw products (keeps_raw_scores) or a score function's natural-unit output."""
+    return keeps_raw_scores(switches) or natural_scores(switches)
+
+
+@ct.function
+def kept_to_log2(scoring, dtype):
+    """The factor that turns the forward's kept scores (keeps_scaled_scores) into base 2."""
+    if keeps_raw_scores(scoring.switches):
+        result = scoring.qk_scale_log2
+    else:
+        result = log2e(dtype)
+    return result
+
+
+@ct.function
+def scores_log2(step_scores, scoring):
+    """scores() in base 2 for exp2's argument: natural-unit scores times log2(e), a multiply
+    that the subtraction after it fuses into one multiply-add per score (converted ahead, the
+    backward paid a multiply per score more, and another to give score_mod_grad its output)."""
+    if natural_scores(scoring.switches):
+        result = step_scores * log2e(step_scores.dtype)
+    else:
+        result = step_scores
+    return result
+
+
+@ct.function
 def lifts_padded_rows(switches):
     """Whether a query row past the sequence (Q loaded as zeros) may score far above 0: a
     caller's score function or a one-row bias can; the built-in softcap and ALiBi cannot."""
@@ -176,8 +212,9 @@ def _alibi_distances(q_tile, kv_tile, scoring, transposed: ConstBool, dtype):
 
 @ct.function
 def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: ConstBool):
-    """(base-2 scores, tanh of the softcap, the natural-unit input of the caller's score_mod) of
-    raw products q.k, with the switched-on modifiers; the last two are 0 where unused.
+    """(scores, tanh of the softcap, the natural-unit input of the caller's score_mod) of raw
+    products q.k, with the switched-on modifiers; the last two are 0 where unused. Scores are
+    in base 2, or natural units with a score function (natural_scores; scores_log2 converts).
 
     raw is [block_m, block_n], or [block_n, block_m] when transposed (the dK/dV kernel).
     In natural units: s = scale * q.k, then s = softcap * tanh(s / softcap), then
@@ -219,10 +256,10 @@ def pre_cap_gradient(d_scores, capped_tanh, capped: ConstBool):
 
 
 @ct.function
-def raw_gradient(d_scores, capped_tanh, natural, scores_log2, rows, cols, scoring):
+def raw_gradient(d_scores, capped_tanh, natural, step_scores, rows, cols, scoring):
     """The gradient with respect to scale * q.k from that with respect to the final scores
-    (d_scores, natural units; scores_log2 the scores themselves, base 2): back through the
-    caller's score_mod, then the softcap (bias and ALiBi add, which passes the gradient
-    unchanged)."""
-    d_scores = user_score_gradient(d_scores, natural, scores_log2, rows, cols, scoring)
+    (d_scores, natural units; step_scores the scores themselves, as scores() gave them): back
+    through the caller's score_mod, then the softcap (bias and ALiBi add, which passes the
+    gradient unchanged)."""
+    d_scores = user_score_gradient(d_scores, natural, step_scores, rows, cols, scoring)
     return pre_cap_gradient(d_scores, capped_tanh, scoring.switches.capped)

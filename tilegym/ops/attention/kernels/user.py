@@ -7,8 +7,10 @@ kernel code, inlined. The kernel body gathers them into state.UserFunctions, whi
 helper reads as compile-time constants: with none given, their code is not emitted.
 
 Units: the functions see natural-unit scores (the softmax scale applied, FlashAttention's and
-FlexAttention's convention) as fp32 tiles (fp64 for fp64 inputs); the kernels keep base-2
-scores, so a call with a score function pays two multiplies per score to convert.
+FlexAttention's convention) as fp32 tiles (fp64 for fp64 inputs). The kernels keep a score
+function's output in those units too: exp2's argument converts it to base 2 inside its fused
+multiply-add, and score_mod_grad gets it as it was returned. The input costs a multiply per
+score (one more where built-in modifiers give base-2 scores first).
 Index tiles broadcast against the score tile: q_idx is [block_m, 1] and kv_idx [1, block_n],
 or [1, block_m] and [block_n, 1] in the dK/dV kernel, whose tiles are key-major. So the
 functions must be elementwise.
@@ -17,7 +19,7 @@ functions must be elementwise.
 import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import TileLists, UserArgs, UserFunctions
-from tilegym.ops.attention.kernels.tiles import ConstBool, ln2, log2e
+from tilegym.ops.attention.kernels.tiles import ConstBool, ln2
 
 # Overridden in a kernel's copy by programmable.user_kernel.
 SCORE_MOD = None
@@ -51,10 +53,9 @@ def score_modified(switches):
 
 @ct.function
 def user_scored(scores_log2, raw, scoring, rows, cols, builtin: ConstBool):
-    """(base-2 scores after the caller's score_mod, its natural-unit input) given base-2 scores
-    and the raw products q.k they come from; (scores_log2, 0) without a score_mod. builtin:
-    whether built-in modifiers changed the scores first (else the input is one multiply of the
-    raw products)."""
+    """(score_mod's output, natural units; its input) given base-2 scores and the raw products
+    q.k they come from; (scores_log2, 0) without a score_mod. builtin: whether built-in
+    modifiers changed the scores first (else the input is one multiply of the raw products)."""
     switches, args = scoring.switches, scoring.user
     score_mod = switches.user.score_mod
     if score_mod is not None:
@@ -63,7 +64,7 @@ def user_scored(scores_log2, raw, scoring, rows, cols, builtin: ConstBool):
             natural = scores_log2 * ln2(dtype)
         else:
             natural = raw * (scoring.qk_scale_log2 * ln2(dtype))
-        result = ct.astype(score_mod(natural, args.b, args.h, rows, cols, args.aux), dtype) * log2e(dtype)
+        result = ct.astype(score_mod(natural, args.b, args.h, rows, cols, args.aux), dtype)
     else:
         natural = 0
         result = scores_log2
@@ -71,10 +72,10 @@ def user_scored(scores_log2, raw, scoring, rows, cols, builtin: ConstBool):
 
 
 @ct.function
-def user_score_gradient(d_scores, natural, scores_log2, rows, cols, scoring):
+def user_score_gradient(d_scores, natural, modified, rows, cols, scoring):
     """The gradient with respect to score_mod's input from that with respect to its output,
-    by score_mod_grad (given the input and the output, scores_log2 in base 2); after adding
-    the aux tensors' share (aux_grad) where there is one.
+    by score_mod_grad (given the input, natural, and the output, modified); after adding the
+    aux tensors' share (aux_grad) where there is one.
 
     aux_grad gets zeros past the last key: the dK/dV kernel computes the rows of padded keys
     unmasked (their dK and dV rows are never stored), and an aux index may well reach them."""
@@ -83,7 +84,6 @@ def user_score_gradient(d_scores, natural, scores_log2, rows, cols, scoring):
         if user.aux_grad is not None and args.sums_aux_grads:
             real = ct.where(cols < scoring.seqlens.k, d_scores, 0.0)
             user.aux_grad(real, natural, args.b, args.h, rows, cols, args.aux, args.aux_grads)
-        modified = scores_log2 * ln2(scores_log2.dtype)
         d_input = user.score_mod_grad(d_scores, natural, modified, args.b, args.h, rows, cols, args.aux)
         result = ct.astype(d_input, d_scores.dtype)
     else:
