@@ -896,7 +896,9 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
     fused, causal GQA: the preprocess and the grouped form) with varlen on, its cumulative lengths
     and longest lengths, the [1, H, total, D] views of its own tensors (fp32 sums of every
     sequence's rows for what the fused backward sums), and a grid of the longest sequence's tiles
-    x heads x sequences; outputs and gradients come back in the packed layout."""
+    x heads x sequences; outputs and gradients come back in the packed layout. The preprocess,
+    whose rows do not depend on their sequence, runs dense over all rows: varlen off, a grid of
+    every row's tiles x heads x 1."""
     import inspect
 
     from tilegym.ops.attention.packing import CuSeqlens
@@ -928,9 +930,10 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
         packed |= {"dQ": grads.dq, "dK": grads.dk, "dV": grads.dv}
     for name, kernel, grid, args, config in _RecordingLauncher.launches:
         values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
-        assert values["varlen"] is True, name
-        assert values["CuSeqlensQ"] is cu_seqlens.q and values["max_seqlen_q"] == 30, name
-        if name != configs.BACKWARD_PREPROCESS:  # row-wise: no keys
+        as_one = name == configs.BACKWARD_PREPROCESS
+        assert values["varlen"] is not as_one, name
+        if not as_one:
+            assert values["CuSeqlensQ"] is cu_seqlens.q and values["max_seqlen_q"] == 30, name
             assert values["CuSeqlensK"] is cu_seqlens.k and values["max_seqlen_k"] == 35, name
         for parameter, tensor in packed.items():
             if parameter in values:
@@ -951,7 +954,10 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
         keys = VARIANTS[name].tiles == "key"
         block = config.block_n if keys else config.block_m
         heads = q_heads if VARIANTS[name].heads == "query" else kv_heads
-        assert grid == (math.ceil((35 if keys else 30) / block), heads, 2), name
+        if as_one:
+            assert grid == (math.ceil(total_q / block), heads, 1), name
+        else:
+            assert grid == (math.ceil((35 if keys else 30) / block), heads, 2), name
 
 
 @pytest.mark.parametrize(

@@ -80,9 +80,11 @@ class _Launcher(TunedLauncher):
         scores = configs.score_tables(problem.mods.switches)
         return configs.candidates(kernel_name, self.arch, problem.tuning_head_dim, problem.dtype.itemsize, scores)
 
-    def tuned(self, name: str, values: dict, before_each=None) -> autotune.TunedKernel:
+    def tuned(self, name: str, values: dict, before_each=None, packed_as_one=False) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
-        switches and the config's tile sizes; the grid follows the variant's tiles and heads."""
+        switches and the config's tile sizes; the grid follows the variant's tiles and heads.
+        packed_as_one: a packed problem's arrays run as one dense batch entry of all their rows
+        (values then hold the dense placeholders of the packing arguments)."""
         variant = VARIANTS[name]
         problem = self.problem
         kernel = variant.kernel
@@ -99,9 +101,13 @@ class _Launcher(TunedLauncher):
         mask = self.block_mask
 
         tiles = packing.tiles if problem.packing else lambda length, size: math.ceil(length / size)
+        batch = problem.batch
+        if packed_as_one:
+            seqlen = problem.packing.total_q if variant.tiles == "query" else problem.packing.total_k
+            batch = 1
 
         def grid(config):
-            return (tiles(seqlen, getattr(config, block)), heads, problem.batch)
+            return (tiles(seqlen, getattr(config, block)), heads, batch)
 
         def arguments(config):
             if not takes_user:
@@ -618,12 +624,19 @@ def _backward_steps(
     }
     if fused:
         # Every dK/dV program needs the row statistics of every query tile: a kernel of their own.
-        packed = {name: shared[name] for name in ("CuSeqlensQ", "max_seqlen_q", "varlen")}
+        # A row's statistics do not depend on its sequence, so a packed batch's run over all its
+        # rows as one dense batch entry: sliced per sequence, each program loaded its tiles
+        # without bulk copies, 3x slower (perf-notes#packed-preprocess). The sinks' gradient
+        # keeps the slices: its shares are per tile of a sequence.
+        packed_as_one = problem.packing is not None and partial is None
+        source = _dense_packing_arguments(device) if packed_as_one else shared
+        packed = {name: source[name] for name in ("CuSeqlensQ", "max_seqlen_q", "varlen")}
         preprocess = launcher.tuned(
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
              **lse_grad, **sinks_grad, **packed},
             row_grads.reset,
+            packed_as_one,
         )  # fmt: skip
         return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
