@@ -83,10 +83,13 @@ class _Launcher(TunedLauncher):
     def tuned(self, name: str, values: dict, before_each=None, packed_as_one=False) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
         switches and the config's tile sizes; the grid follows the variant's tiles and heads.
-        packed_as_one: a packed problem's arrays run as one dense batch entry of all their rows
-        (values then hold the dense placeholders of the packing arguments)."""
+        packed_as_one: a packed problem's arrays run as one dense batch entry of all their rows:
+        the packing arguments in values become the dense placeholders, the grid one entry."""
         variant = VARIANTS[name]
         problem = self.problem
+        if packed_as_one:
+            dense = _dense_packing_arguments(self.device)
+            values = {**values, **{key: dense[key] for key in values.keys() & dense.keys()}}
         kernel = variant.kernel
         takes_user = "block_sparse" in parameter_names(kernel)
         if takes_user:
@@ -629,8 +632,7 @@ def _backward_steps(
         # without bulk copies, 3x slower (perf-notes#packed-preprocess). The sinks' gradient
         # keeps the slices: its shares are per tile of a sequence.
         packed_as_one = problem.packing is not None and partial is None
-        source = _dense_packing_arguments(device) if packed_as_one else shared
-        packed = {name: source[name] for name in ("CuSeqlensQ", "max_seqlen_q", "varlen")}
+        packed = {name: shared[name] for name in ("CuSeqlensQ", "max_seqlen_q", "varlen")}
         preprocess = launcher.tuned(
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,

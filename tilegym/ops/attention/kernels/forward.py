@@ -326,9 +326,9 @@ def attention_forward_kernel(
         state = _key_loops(key_segments(q_tile, scoring), state, tile, fixed_max)
     row_max = alibi_true_row_max(state.row_max, q_tile, scoring, Q.dtype, keeps_raw_scores(switches))
     state = ForwardState(row_max, state.row_sum, state.acc)
+    to_log2 = kept_to_log2(scoring, acc_dtype)
 
     if with_sinks:
-        to_log2 = kept_to_log2(scoring, acc_dtype)
         state = _with_sink(state, Sinks, q_head, keeps_scaled_scores(switches), to_log2, tiling.value)
 
     # Rows that saw no key (causal with Sq > Sk) have row_sum 0: output 0, LSE -inf.
@@ -340,6 +340,6 @@ def attention_forward_kernel(
     if write_lse:
         row_max = state.row_max
         if keeps_scaled_scores(switches) and not with_sinks:
-            row_max = row_max * kept_to_log2(scoring, acc_dtype)
+            row_max = row_max * to_log2
         lse = (row_max + ct.log2(row_sum)) * ln2(acc_dtype)
         store_row_stat(Lse, b, q_head, q_tile, lse, block_m)

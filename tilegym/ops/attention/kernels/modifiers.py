@@ -45,17 +45,10 @@ def keeps_raw_scores(switches):
 
 
 @ct.function
-def natural_scores(switches):
-    """Whether scores() gives natural-unit scores, a caller's score function's output
-    (user.user_scored), rather than base-2 ones."""
-    return score_modified(switches)
-
-
-@ct.function
 def keeps_scaled_scores(switches):
     """Whether the forward keeps scores that exp2's argument scales to base 2 (kept_to_log2):
     raw products (keeps_raw_scores) or a score function's natural-unit output."""
-    return keeps_raw_scores(switches) or natural_scores(switches)
+    return keeps_raw_scores(switches) or score_modified(switches)
 
 
 @ct.function
@@ -73,7 +66,7 @@ def scores_log2(step_scores, scoring):
     """scores() in base 2 for exp2's argument: natural-unit scores times log2(e), a multiply
     that the subtraction after it fuses into one multiply-add per score (converted ahead, the
     backward paid a multiply per score more, and another to give score_mod_grad its output)."""
-    if natural_scores(scoring.switches):
+    if score_modified(scoring.switches):
         result = step_scores * log2e(step_scores.dtype)
     else:
         result = step_scores
@@ -214,7 +207,7 @@ def _alibi_distances(q_tile, kv_tile, scoring, transposed: ConstBool, dtype):
 def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: ConstBool):
     """(scores, tanh of the softcap, the natural-unit input of the caller's score_mod) of raw
     products q.k, with the switched-on modifiers; the last two are 0 where unused. Scores are
-    in base 2, or natural units with a score function (natural_scores; scores_log2 converts).
+    in base 2, or natural units with a score function (user.user_scored; scores_log2 converts).
 
     raw is [block_m, block_n], or [block_n, block_m] when transposed (the dK/dV kernel).
     In natural units: s = scale * q.k, then s = softcap * tanh(s / softcap), then
