@@ -53,9 +53,9 @@ def _sums_by_tma(name) -> bool:
 
 
 def _runs_at(name, head_dim, value_dim) -> bool:
-    """Whether dispatch launches a variant for these head dims: dV and dK apart only at
-    D = Dv = 256 (dispatch.split_dkdv), though 192 shares that table."""
-    return name not in (BACKWARD_DV, BACKWARD_DK) or head_dim == value_dim == 256
+    """Whether dispatch launches a variant for these head dims: dV and dK apart only for
+    dispatch.SPLIT_DKDV_PAIRS, though 192 shares D=256's tables."""
+    return name not in (BACKWARD_DV, BACKWARD_DK) or (head_dim, value_dim) in dispatch.SPLIT_DKDV_PAIRS
 
 
 def _runs_wide(name) -> bool:
@@ -239,7 +239,7 @@ VALUE_DIM_MATRIX = [
     for name in VARIANTS
     if sass.takes(name, "block_dv")
     for head_dim, value_dim in VALUE_DIMS
-    if configs.candidates(name, "sm_90", max(head_dim, value_dim), 2)  # variants run only where they have a table
+    if configs.candidates(name, "sm_90", head_dim, 2, value_dim=value_dim)  # variants run only where they have a table
     # The fused backward runs only where V is no wider than Q (dispatch.fused_backward).
     and not (VARIANTS[name].fixed.get("sum_dq") and value_dim > head_dim)
     and _runs_at(name, head_dim, value_dim)
@@ -249,12 +249,41 @@ VALUE_DIM_MATRIX = [
 @slow
 @pytest.mark.parametrize("kernel, head_dim, value_dim", VALUE_DIM_MATRIX)
 def test_op_attention_value_dim_compiles(kernel, head_dim, value_dim, tmp_path):
-    """A V head dim other than Q's compiles for sm_90 with the first config of the wider's table,
-    keeping the SASS checks."""
-    chosen = configs.candidates(kernel, "sm_90", max(head_dim, value_dim), 2)
+    """A V head dim other than Q's compiles for sm_90 with the first config of its table (the
+    pair's, else the wider head dim's), keeping the SASS checks (a pair's tables hold configs
+    measured faster in spite of spills: PAIR_MATRIX checks them)."""
+    chosen = configs.candidates(kernel, "sm_90", head_dim, 2, value_dim=value_dim)
     path = tmp_path / "k.cubin"
     cubin = sass.compile_cubin(kernel, ct.bfloat16, head_dim, chosen[0], True, "sm_90", path, value_dim=value_dim)
-    _check_sass(kernel, sass.disassemble(cubin))
+    paired = kernel in configs.PAIR_TABLES["sm_90"].get((head_dim, value_dim), {})
+    _check_sass(kernel, sass.disassemble(cubin), "measured" if paired else "none")
+
+
+PAIR_MATRIX = [
+    pytest.param(name, pair, choices, id=f"{name}-qk{pair[0]}-v{pair[1]}")
+    for pair, kernels in configs.PAIR_TABLES["sm_90"].items()
+    for name, choices in kernels.items()
+]
+
+
+@slow
+@pytest.mark.parametrize("kernel, pair, choices", PAIR_MATRIX)
+def test_op_attention_pair_tables_compile(kernel, pair, choices, tmp_path):
+    """Every config of a (head dim, V head dim) pair's table compiles for sm_90 to HGMMA, and for
+    causal masks and for none, one of them at least keeps its matmuls pipelined (the tuner picks
+    per shape: at (192, 128) 64-row query steps pipeline only with a causal mask)."""
+    head_dim, value_dim = pair
+    for causal in _causal_forms(kernel):
+        pipelined = []
+        for config in choices:
+            path = tmp_path / "k.cubin"
+            cubin = sass.compile_cubin(
+                kernel, ct.bfloat16, head_dim, config, causal, "sm_90", path, value_dim=value_dim
+            )
+            text = sass.disassemble(cubin)
+            assert sass.count_instructions(text, "HGMMA") > 0, (config, causal)
+            pipelined.append(not sass.matmuls_serialized(text))
+        assert any(pipelined), f"no config of {kernel} at {pair} pipelines its matmuls (causal={causal})"
 
 
 WIDE = tuple(name for name in VARIANTS if _runs_wide(name))

@@ -301,9 +301,7 @@ class _RecordingLauncher:
         self.block_mask = block_mask
         self.device = device
 
-    def candidates(self, name):
-        return configs.candidates(name, self.arch, self.problem.head_dim, self.problem.dtype.itemsize)
-
+    candidates = launch._Launcher.candidates
     tuned = launch._Launcher.tuned
 
     def launch(self, launch):
@@ -472,15 +470,21 @@ def test_op_wide_problems_launch_int64_indexed_twins(monkeypatch):
 # ---- fused backward ---------------------------------------------------------------------------
 
 
-def _recorded_backward(monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, causal=True, mods=score_mods.PLAIN):
+def _recorded_backward(
+    monkeypatch, seqlen=40, head_dim=64, q_heads=4, batch=3, causal=True, mods=score_mods.PLAIN, value_dim=None
+):
     monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
     _RecordingLauncher.launches = []
-    q, k, v = _cpu_inputs(q_shape=(batch, q_heads, seqlen, head_dim), kv_shape=(batch, 2, seqlen, head_dim))
+    q, k, _ = _cpu_inputs(q_shape=(batch, q_heads, seqlen, head_dim), kv_shape=(batch, 2, seqlen, head_dim))
+    v = torch.randn(batch, 2, seqlen, value_dim or head_dim, dtype=q.dtype)
     problem = problem_mod.AttentionProblem(
-        batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal, mods=mods
+        batch, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal, mods=mods, head_dim_v=value_dim
     )
-    out, lse = torch.randn_like(q), torch.randn(batch, q_heads, seqlen)
-    grads = launch.backward(torch.randn_like(q), q, k, v, out, lse, problem)
+    out, lse = (
+        torch.randn(batch, q_heads, seqlen, value_dim or head_dim, dtype=q.dtype),
+        torch.randn(batch, q_heads, seqlen),
+    )
+    grads = launch.backward(torch.randn_like(out), q, k, v, out, lse, problem)
     return [name for name, *_ in _RecordingLauncher.launches], _RecordingLauncher.launches, grads
 
 
@@ -541,6 +545,25 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     apart = [configs.BACKWARD_DV, configs.BACKWARD_DK] if head_dim == 256 else [configs.BACKWARD_DKDV]
     two_kernels = [configs.BACKWARD_DQ, *apart]
     assert names == ([configs.BACKWARD_PREPROCESS, expected] if expected else two_kernels)
+
+
+@pytest.mark.parametrize(
+    "head_dim, value_dim, expected",
+    [
+        (192, 128, [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]),  # one dK/dV program at 128 keys
+        (256, 128, [configs.BACKWARD_DQ, configs.BACKWARD_DV, configs.BACKWARD_DK]),
+        (192, 192, [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]),  # no pair table: D=256's
+    ],
+)
+def test_op_wide_pairs_backward(monkeypatch, head_dim, value_dim, expected):
+    """Wide (head dim, V head dim) pairs run the launches and first configs of their own tables
+    (configs.PAIR_TABLES), else those of the wider head dim's tile."""
+    names, launches, _ = _recorded_backward(monkeypatch, MIN_FUSED, head_dim, 2, batch=1, value_dim=value_dim)
+    assert names == expected
+    pair = configs.PAIR_TABLES["sm_90"].get((head_dim, value_dim), {})
+    for name, *_, config in launches:
+        wanted = pair[name][0] if name in pair else configs.candidates(name, "sm_90", 256, 2)[0]
+        assert config == wanted, name
 
 
 _DOCUMENTS = score_functions.document_mask(torch.zeros(1, 8, dtype=torch.int32))

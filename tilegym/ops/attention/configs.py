@@ -94,13 +94,35 @@ _SM90_FUSED = {
     64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
     128: [_c(64, 128, num_worker_warps=8)],
 }
-# D = Dv = 256 sums dV and dK in programs of their own (dispatch.split_dkdv): both fp32
+# D = Dv = 256 (and (256, 128), _SM90_PAIRS) sums dV and dK in programs of their own
+# (dispatch.split_dkdv): both fp32
 # accumulators of block_n x 256 in one program left room only for 16-row query tiles, where the
 # small matmuls' fixed costs set the time; apart, 64x64 tiles compile without spills (dK at one
 # warpgroup: at two it spilled), and the backward took 19-22% less time
 # (perf-notes#dkdv-apart-d256).
-_SM90_DV = {256: [_c(64, 64, num_worker_warps=8), _c(128, 64, num_worker_warps=8)]}
+# 128 keys per program at two warpgroups also fit dV alone, dense (bwd 3.5-6% less than at 64
+# keys, perf-notes#mla-backward-tiles); packed they spill, so the tuner decides.
+_SM90_DV = {256: [_c(64, 64, num_worker_warps=8), _c(64, 128, num_worker_warps=8), _c(128, 64, num_worker_warps=8)]}
 _SM90_DK = {256: [_c(64, 64)]}
+# Tables of one (Q/K head dim, V head dim) pair, ahead of the head-dim tile's for plain scores
+# (sinks allowed) in 16-bit types. DeepSeek's MLA pair (192, 128): the dK/dV program's two
+# accumulators are 192 + 128 columns wide, not the 2 x 256 the D=256 table is sized for, so 128
+# keys per program fit at two warpgroups: 64-row query steps for causal masks (a few spills
+# inside the loop, measured faster all the same), 32-row steps without a mask (no spills; 64 rows
+# spill and wait for each matmul there). The dQ kernel holds 128 query rows. Backward 31-41% less
+# time than on the D=256 tables. (256, 128) sums dV and dK apart (dispatch.split_dkdv), each at 128
+# keys per program: dV's accumulator is 128 wide, and dK's 256 fit beside a 128-wide dP; backward
+# 9-19% less time than one joint program at 16-row steps (perf-notes#mla-backward-tiles).
+_SM90_PAIRS = {
+    (192, 128): {
+        BACKWARD_DKDV: [_c(64, 128, num_worker_warps=8), _c(32, 128, num_worker_warps=8)],
+        BACKWARD_DQ: [_c(128, 64, num_worker_warps=8)],
+    },
+    (256, 128): {
+        BACKWARD_DV: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
+        BACKWARD_DK: [_c(64, 128, num_worker_warps=8)],
+    },
+}
 # Causal grouped-query attention: one program per KV head and key tile made too few programs
 # of too unequal lengths (GQA 8, D=128, S=4096: 284 TFLOPS against 375 with a program per
 # query head, perf-notes#gqa-program-per-head). 128x128 spills at D=64 in that form; 64x128
@@ -278,6 +300,9 @@ WIDE_TABLE = {
 }
 
 
+PAIR_TABLES = {"sm_90": _SM90_PAIRS}
+
+
 class ScoreTables(Enum):
     """Which tables a call's score switches pick (score_tables)."""
 
@@ -345,15 +370,26 @@ SCORE_TABLES = {
 
 @cache
 def candidates(
-    kernel: str, arch: str, head_dim: int, element_size: int, scores: ScoreTables = ScoreTables.PLAIN
+    kernel: str,
+    arch: str,
+    head_dim: int,
+    element_size: int,
+    scores: ScoreTables = ScoreTables.PLAIN,
+    value_dim: int | None = None,
 ) -> tuple[TileConfig, ...]:
     """The configs to try for one kernel, first one the default; scores: the tables the call's
-    score switches pick (score_tables).
+    score switches pick (score_tables); value_dim: V's head dim where it differs from head_dim
+    (the tables of the wider, unless PAIR_TABLES hold the pair).
 
     With score modifiers no config runs on CTA clusters outside the tables of ALiBi alone or a mask
     alone (measured there on sm_90): the two-CTA forward faulted on a misaligned address with a
     one-row bias on Hopper (perf-notes#forward-cta-clusters). Cached: every launch asks.
     """
+    value_dim = head_dim if value_dim is None else value_dim
+    pair = PAIR_TABLES.get(arch, {}).get((head_dim, value_dim), {})
+    if kernel in pair and element_size == 2 and scores == ScoreTables.PLAIN:
+        return tuple(pair[kernel])
+    head_dim = max(head_dim, value_dim)
     key = (arch, kernel)
     own = SCORE_TABLES.get(scores, {})
     if element_size > 2:
@@ -374,6 +410,7 @@ def candidates(
 def _all_configs():
     tables = [*(table for kernels in TABLES.values() for table in kernels.values()), *WIDE_TABLE.values()]
     tables += [table for family in SCORE_TABLES.values() for table in family.values()]
+    tables += [kernels for pairs in PAIR_TABLES.values() for kernels in pairs.values()]
     return [config for table in tables for choices in table.values() for config in choices]
 
 
