@@ -424,9 +424,10 @@ def test_op_varlen_grouped_heads(q_heads, kv_heads, head_dim, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("pair", [(192, 128), (64, 128), (128, 64)], ids=lambda p: f"qk{p[0]}-v{p[1]}")
+@pytest.mark.parametrize("pair", [(192, 128), (64, 128), (128, 64), (256, 128)], ids=lambda p: f"qk{p[0]}-v{p[1]}")
 def test_op_varlen_value_dim(pair, causal):
-    """V's head dim different from Q's and K's (DeepSeek MLA: 192 and 128)."""
+    """V's head dim different from Q's and K's (DeepSeek MLA: 192 and 128; (256, 128) sums dV and
+    dK apart)."""
     check(pack(MIXED_Q, MIXED_K, 4, 2, pair[0], value_dim=pair[1]), causal)
 
 
