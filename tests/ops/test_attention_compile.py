@@ -53,9 +53,9 @@ def _sums_by_tma(name) -> bool:
 
 
 def _runs_at(name, head_dim, value_dim) -> bool:
-    """Whether dispatch launches a variant for these head dims: dV and dK apart only for
-    dispatch.SPLIT_DKDV_PAIRS, though 192 shares D=256's tables."""
-    return name not in (BACKWARD_DV, BACKWARD_DK) or (head_dim, value_dim) in dispatch.SPLIT_DKDV_PAIRS
+    """Whether dispatch launches a variant for these head dims: dV and dK apart only for the
+    pairs whose tables name them (configs.PAIR_TABLES, dispatch.split_dkdv)."""
+    return name not in (BACKWARD_DV, BACKWARD_DK) or name in configs.PAIR_TABLES["sm_90"].get((head_dim, value_dim), {})
 
 
 def _runs_wide(name) -> bool:

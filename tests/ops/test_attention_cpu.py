@@ -552,6 +552,7 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     [
         (192, 128, [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]),  # one dK/dV program at 128 keys
         (256, 128, [configs.BACKWARD_DQ, configs.BACKWARD_DV, configs.BACKWARD_DK]),
+        (256, 256, [configs.BACKWARD_DQ, configs.BACKWARD_DV, configs.BACKWARD_DK]),
         (192, 192, [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]),  # no pair table: D=256's
     ],
 )

@@ -94,26 +94,27 @@ _SM90_FUSED = {
     64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
     128: [_c(64, 128, num_worker_warps=8)],
 }
-# D = Dv = 256 (and (256, 128), _SM90_PAIRS) sums dV and dK in programs of their own
-# (dispatch.split_dkdv): both fp32
-# accumulators of block_n x 256 in one program left room only for 16-row query tiles, where the
-# small matmuls' fixed costs set the time; apart, 64x64 tiles compile without spills (dK at one
-# warpgroup: at two it spilled), and the backward took 19-22% less time
-# (perf-notes#dkdv-apart-d256).
-# 128 keys per program at two warpgroups also fit dV alone, dense (bwd 3.5-6% less than at 64
-# keys, perf-notes#mla-backward-tiles); packed they spill, so the tuner decides.
-_SM90_DV = {256: [_c(64, 64, num_worker_warps=8), _c(64, 128, num_worker_warps=8), _c(128, 64, num_worker_warps=8)]}
-_SM90_DK = {256: [_c(64, 64)]}
 # Tables of one (Q/K head dim, V head dim) pair, ahead of the head-dim tile's for plain scores
-# (sinks allowed) in 16-bit types. DeepSeek's MLA pair (192, 128): the dK/dV program's two
-# accumulators are 192 + 128 columns wide, not the 2 x 256 the D=256 table is sized for, so 128
-# keys per program fit at two warpgroups: 64-row query steps for causal masks (a few spills
-# inside the loop, measured faster all the same), 32-row steps without a mask (no spills; 64 rows
-# spill and wait for each matmul there). The dQ kernel holds 128 query rows. Backward 31-41% less
-# time than on the D=256 tables. (256, 128) sums dV and dK apart (dispatch.split_dkdv), each at 128
-# keys per program: dV's accumulator is 128 wide, and dK's 256 fit beside a 128-wide dP; backward
-# 9-19% less time than one joint program at 16-row steps (perf-notes#mla-backward-tiles).
+# (sinks allowed) in 16-bit types. BACKWARD_DV and BACKWARD_DK have no other tables: a pair that
+# has them sums dV and dK in programs of their own (dispatch.split_dkdv).
+# - (256, 256): both fp32 accumulators of block_n x 256 in one program left room only for 16-row
+#   query tiles, where the small matmuls' fixed costs set the time; apart, 64x64 tiles compile
+#   without spills (dK at one warpgroup: at two it spilled), and the backward took 19-22% less
+#   time (perf-notes#dkdv-apart-d256). 128 keys also fit dV alone, dense (bwd 3.5-6% less,
+#   perf-notes#mla-backward-tiles); packed they spill, so the tuner decides.
+# - DeepSeek MLA's (192, 128): the dK/dV program's two accumulators are 192 + 128 columns wide,
+#   not the 2 x 256 the D=256 table is sized for, so 128 keys per program fit at two warpgroups:
+#   64-row query steps for causal masks (a few spills inside the loop, measured faster all the
+#   same), 32-row steps without a mask (no spills; 64 rows spill and wait for each matmul there).
+#   The dQ kernel holds 128 query rows. Backward 31-41% less time than on the D=256 tables.
+# - (256, 128): dV and dK apart, each at 128 keys per program: dV's accumulator is 128 wide, and
+#   dK's 256 fit beside a 128-wide dP; backward 9-19% less time than one joint program at 16-row
+#   steps (perf-notes#mla-backward-tiles).
 _SM90_PAIRS = {
+    (256, 256): {
+        BACKWARD_DV: [_c(64, 64, num_worker_warps=8), _c(64, 128, num_worker_warps=8), _c(128, 64, num_worker_warps=8)],
+        BACKWARD_DK: [_c(64, 64)],
+    },
     (192, 128): {
         BACKWARD_DKDV: [_c(64, 128, num_worker_warps=8), _c(32, 128, num_worker_warps=8)],
         BACKWARD_DQ: [_c(128, 64, num_worker_warps=8)],
@@ -253,8 +254,8 @@ TABLES = {
         BACKWARD_DQ: _SM90_DQ,
         BACKWARD_FUSED: _SM90_FUSED,
         BACKWARD_FUSED_GROUPED: _SM90_FUSED_GROUPED,
-        BACKWARD_DV: _SM90_DV,
-        BACKWARD_DK: _SM90_DK,
+        BACKWARD_DV: {},  # pairs only (PAIR_TABLES)
+        BACKWARD_DK: {},
         FORWARD_FIXED_MAX: _SM90_FORWARD_FIXED_MAX,
         FORWARD_LSE_FIXED_MAX: _SM90_FORWARD_FIXED_MAX,
     },

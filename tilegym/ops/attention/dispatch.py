@@ -98,18 +98,13 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
 
 
-# (Q/K head dim, V head dim) pairs whose two-kernel backward sums dV and dK apart (split_dkdv).
-SPLIT_DKDV_PAIRS = frozenset({(256, 256), (256, 128)})
-
-
 def split_dkdv(problem: AttentionProblem, candidates) -> bool:
     """Whether the two-kernel backward sums dV and dK in launches of their own (BACKWARD_DV, then
-    BACKWARD_DK), each program holding one accumulator: plain scores (sinks allowed), where the arch
-    has tables for both (sm_90, configs.py), at D = 256 with Dv = 256 or 128. D=192 shares those
-    tables but lost (bwd 2.56 -> 3.05 ms, perf-notes#dkdv-apart-d256; its (192, 128) pair runs one
-    program at 128 keys, perf-notes#mla-backward-tiles); other wide pairs are unmeasured."""
-    wide = (problem.head_dim, problem.value_dim) in SPLIT_DKDV_PAIRS
-    return wide and problem.mods.plain_scores and bool(candidates(BACKWARD_DV)) and bool(candidates(BACKWARD_DK))
+    BACKWARD_DK), each program holding one accumulator: plain scores (sinks allowed), for the head
+    dim pairs whose tables name both (configs.PAIR_TABLES: D = 256 with Dv = 256 or 128). D=192
+    lost on D=256's tables (bwd 2.56 -> 3.05 ms, perf-notes#dkdv-apart-d256; its (192, 128) pair
+    runs one program at 128 keys, perf-notes#mla-backward-tiles); other wide pairs are unmeasured."""
+    return problem.mods.plain_scores and bool(candidates(BACKWARD_DV)) and bool(candidates(BACKWARD_DK))
 
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
