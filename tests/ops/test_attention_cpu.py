@@ -531,7 +531,7 @@ MIN_FUSED = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K
         ("auto", MIN_FUSED, 128, 4, True, False, configs.BACKWARD_FUSED_GROUPED),  # causal query groups
         ("auto", MIN_FUSED, 64, 4, False, False, configs.BACKWARD_FUSED),  # equal programs: not grouped
         ("auto", MIN_FUSED, 256, 2, True, False, None),  # no D=256 table: dV and dK apart
-        ("auto", MIN_FUSED, 192, 2, True, False, None),  # D=256's tables, but dV and dK together
+        ("auto", MIN_FUSED, 192, 2, True, False, None),  # D=256's tables; dV and dK apart too
         ("fused", 40, 64, 4, True, True, None),  # deterministic algorithms always get two kernels
         ("two-kernel", MIN_FUSED, 64, 2, True, False, None),
     ],
@@ -542,7 +542,7 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
     names, _, _ = _recorded_backward(monkeypatch, seqlen, head_dim, q_heads, batch=1, causal=causal)
     # Two kernels: the dQ kernel writes the row statistics the dK/dV kernel reads, so it runs first;
     # wide heads sum dV and dK in launches of their own (dispatch.split_dkdv).
-    apart = [configs.BACKWARD_DV, configs.BACKWARD_DK] if head_dim == 256 else [configs.BACKWARD_DKDV]
+    apart = [configs.BACKWARD_DV, configs.BACKWARD_DK] if head_dim in (192, 256) else [configs.BACKWARD_DKDV]
     two_kernels = [configs.BACKWARD_DQ, *apart]
     assert names == ([configs.BACKWARD_PREPROCESS, expected] if expected else two_kernels)
 
@@ -553,7 +553,7 @@ def test_op_backward_design_choice(monkeypatch, choice, seqlen, head_dim, q_head
         (192, 128, [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]),  # one dK/dV program at 128 keys
         (256, 128, [configs.BACKWARD_DQ, configs.BACKWARD_DV, configs.BACKWARD_DK]),
         (256, 256, [configs.BACKWARD_DQ, configs.BACKWARD_DV, configs.BACKWARD_DK]),
-        (192, 192, [configs.BACKWARD_DQ, configs.BACKWARD_DKDV]),  # no pair table: D=256's
+        (192, 192, [configs.BACKWARD_DQ, configs.BACKWARD_DV, configs.BACKWARD_DK]),  # dQ: D=256's table
     ],
 )
 def test_op_wide_pairs_backward(monkeypatch, head_dim, value_dim, expected):

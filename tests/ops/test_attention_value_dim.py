@@ -68,7 +68,7 @@ def test_op_value_dim_sq_gt_sk_and_modifiers(pair):
     check((1, 8, 2, 300, 120, *pair), torch.bfloat16, True, kwargs)
 
 
-@pytest.mark.parametrize("pair", [(192, 128), (256, 128)], ids=lambda p: f"qk{p[0]}-v{p[1]}")
+@pytest.mark.parametrize("pair", [(192, 128), (256, 128), (192, 192)], ids=lambda p: f"qk{p[0]}-v{p[1]}")
 def test_op_value_dim_pair_tables_with_sinks(pair):
     """Sinks alone keep plain scores, so the pairs' own tables (configs.PAIR_TABLES) run, GQA."""
     check((1, 8, 2, 300, 260, *pair), torch.bfloat16, True, {"sinks": torch.randn(8, device="cuda")})

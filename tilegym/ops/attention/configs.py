@@ -86,7 +86,10 @@ _SM90_DQ = {
     32: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
     64: [_c(64, 64, occupancy=2), _c(128, 64, num_worker_warps=8)],
     128: [_c(128, 64, num_worker_warps=8), _c(64, 64, occupancy=2)],
-    256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
+    # D=256 (and 192): 128 query rows per program read each K and V tile half as often; only 32-key
+    # steps fit beside them (128x64 spills), 1-5% less backward time than 64x64
+    # (perf-notes#wide-dq-and-192-apart).
+    256: [_c(128, 32, num_worker_warps=8), _c(64, 64, num_worker_warps=8)],
 }
 # The fused backward (dK/dV kernel summing dQ by TMA reductions): where it is used,
 # dispatch.FUSED_BACKWARD_MIN_SEQLEN_K says; only head dims with a table here take it.
@@ -110,6 +113,8 @@ _SM90_FUSED = {
 # - (256, 128): dV and dK apart, each at 128 keys per program: dV's accumulator is 128 wide, and
 #   dK's 256 fit beside a 128-wide dP; backward 9-19% less time than one joint program at 16-row
 #   steps (perf-notes#mla-backward-tiles).
+# - (192, 192): apart as (256, 128), at the same tiles; 15-21% less backward time than one joint
+#   program at 16-row steps (perf-notes#wide-dq-and-192-apart).
 _SM90_PAIRS = {
     (256, 256): {
         BACKWARD_DV: [_c(64, 64, num_worker_warps=8), _c(64, 128, num_worker_warps=8), _c(128, 64, num_worker_warps=8)],
@@ -121,6 +126,10 @@ _SM90_PAIRS = {
     },
     (256, 128): {
         BACKWARD_DV: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
+        BACKWARD_DK: [_c(64, 128, num_worker_warps=8)],
+    },
+    (192, 192): {
+        BACKWARD_DV: [_c(128, 128, num_worker_warps=8)],
         BACKWARD_DK: [_c(64, 128, num_worker_warps=8)],
     },
 }
@@ -143,7 +152,11 @@ _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64
 # The D=64 dQ keeps the configs it had before occupancy 2: with a one-row bias, the 64x64
 # occupancy-2 cubin (no local memory) is one the SASS disassembler cannot read, so CI could
 # not check it for warpgroup MMA.
-_SM90_DQ_MODIFIED = _SM90_DQ | {64: [_c(128, 64, num_worker_warps=8), _c(64, 64)]}
+# D=256 with modifiers keeps the dQ configs measured before 128x32 (measured on plain scores only).
+_SM90_DQ_MODIFIED = _SM90_DQ | {
+    64: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
+    256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
+}
 # With score modifiers the D=64 forward at four CTAs per SM spills (a sliding window's masks),
 # and no config runs on CTA clusters (candidates() below): the modified forward keeps the
 # one-CTA configs it had before those entries.
