@@ -471,6 +471,8 @@ def measure(mode: str, provider: str, shape: Shape, training_forward: bool = Tru
             out = fn(q, k, v)  # warm-up: compiles and tunes outside the timing
             result.max_error = check_output(out, q, k, v, shape, kwargs=kwargs)
             result.wrong = not result.max_error <= WRONG_ABOVE[shape.dtype]
+            if training:  # the backward compiles in the background meanwhile: a timed forward would wait on it
+                torch.autograd.grad(out, inputs, d_out, retain_graph=True)
             calls = {
                 "fwd": lambda: fn(q, k, v),
                 "fwd+bwd": lambda: torch.autograd.grad(fn(q, k, v), inputs, d_out),
