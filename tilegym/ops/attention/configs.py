@@ -113,8 +113,8 @@ _SM90_FUSED = {
 # - (256, 128): dV and dK apart, each at 128 keys per program: dV's accumulator is 128 wide, and
 #   dK's 256 fit beside a 128-wide dP; backward 9-19% less time than one joint program at 16-row
 #   steps (perf-notes#mla-backward-tiles).
-# - (192, 192): apart as (256, 128), at the same tiles; 15-21% less backward time than one joint
-#   program at 16-row steps (perf-notes#wide-dq-and-192-apart).
+# - (192, 192): apart as (256, 128), at the same tiles; 20-23% less backward time than one joint
+#   program at 16-row steps, measured with the 128-row dQ (perf-notes#wide-dq-and-192-apart).
 _SM90_PAIRS = {
     (256, 256): {
         BACKWARD_DV: [_c(64, 64, num_worker_warps=8), _c(64, 128, num_worker_warps=8), _c(128, 64, num_worker_warps=8)],
