@@ -47,6 +47,12 @@ def head_dim_tile(head_dim: int) -> int:
 SPLIT_HEAD_DIMS = {96: (64, 32), 192: (128, 64)}
 
 
+def tables_head_dim(head_dim: int, value_dim: int) -> int:
+    """The head dim whose tables serve a (Q/K head dim, V head dim) pair without tables of its own
+    (PAIR_TABLES): the wider of the two (more registers)."""
+    return max(head_dim, value_dim)
+
+
 def head_dim_tiles(head_dim: int) -> tuple[int, int]:
     """(main tile, tail) of a head dim, Q's and K's or V's: the tail 0 where one tile holds it."""
     return SPLIT_HEAD_DIMS.get(head_dim, (head_dim_tile(head_dim), 0))
@@ -113,7 +119,7 @@ _SM90_FUSED = {
 # - (256, 128): dV and dK apart, each at 128 keys per program: dV's accumulator is 128 wide, and
 #   dK's 256 fit beside a 128-wide dP; backward 9-19% less time than one joint program at 16-row
 #   steps (perf-notes#mla-backward-tiles).
-# - (192, 192): apart as (256, 128), at the same tiles; 20-23% less backward time than one joint
+# - (192, 192): apart as (256, 128), at its first tiles; 20-23% less backward time than one joint
 #   program at 16-row steps, measured with the 128-row dQ (perf-notes#wide-dq-and-192-apart).
 _SM90_PAIRS = {
     (256, 256): {
@@ -403,7 +409,7 @@ def candidates(
     pair = PAIR_TABLES.get(arch, {}).get((head_dim, value_dim), {})
     if kernel in pair and element_size == 2 and scores == ScoreTables.PLAIN:
         return tuple(pair[kernel])
-    head_dim = max(head_dim, value_dim)
+    head_dim = tables_head_dim(head_dim, value_dim)
     key = (arch, kernel)
     own = SCORE_TABLES.get(scores, {})
     if element_size > 2:

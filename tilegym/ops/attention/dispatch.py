@@ -101,9 +101,9 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
 def split_dkdv(problem: AttentionProblem, candidates) -> bool:
     """Whether the two-kernel backward sums dV and dK in launches of their own (BACKWARD_DV, then
     BACKWARD_DK), each program holding one accumulator: plain scores (sinks allowed), for the head
-    dim pairs whose tables name both (configs.PAIR_TABLES: D = 256 with Dv = 256 or 128). D=192
-    lost on D=256's tables (bwd 2.56 -> 3.05 ms, perf-notes#dkdv-apart-d256; its (192, 128) pair
-    runs one program at 128 keys, perf-notes#mla-backward-tiles); other wide pairs are unmeasured."""
+    dim pairs whose tables name both (configs.PAIR_TABLES: (256, 256), (256, 128), (192, 192)).
+    (192, 128) runs one program at 128 keys (perf-notes#mla-backward-tiles); other pairs are
+    unmeasured apart."""
     return problem.mods.plain_scores and bool(candidates(BACKWARD_DV)) and bool(candidates(BACKWARD_DK))
 
 

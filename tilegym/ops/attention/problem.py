@@ -58,8 +58,8 @@ class AttentionProblem:
 
     @property
     def tuning_head_dim(self) -> int:
-        """The head dim that picks config tables: the wider of Q's and V's (more registers)."""
-        return max(self.head_dim, self.value_dim)
+        """The head dim whose config tables serve this problem's pair (configs.tables_head_dim)."""
+        return configs.tables_head_dim(self.head_dim, self.value_dim)
 
     @property
     def query_group_size(self) -> int:
