@@ -1111,7 +1111,8 @@ def test_op_packed_api_takes_score_functions(monkeypatch, training):
     from tilegym.ops.attention import score_functions as sf
 
     q, k, v, packed = _recorded_packed_call(monkeypatch)
-    out = tile_fmha_functional(q, k, v, None, True, training, **packed, **sf.softcap(4.0))
+    # inlined: as written, not as softcap= (predefined.py)
+    out = tile_fmha_functional(q, k, v, None, True, training, **packed, **sf.inlined(sf.softcap(4.0)))
     assert out.shape == (12, 4, 64) and (out.grad_fn is not None) == training
     if training:
         out.float().sum().backward()
@@ -1186,7 +1187,8 @@ def test_op_score_functions_stay_in_one_compiled_graph(monkeypatch):
     table = torch.randn(4, requires_grad=True)
     learned = {"score_mod": _relative_to_each_head, "score_mod_grad": sf.additive_grad, "aux": (table,),
                "aux_grad": _relative_grad}  # fmt: skip
-    for name, functions in (("cap3", sf.softcap(3.0)), ("cap4", sf.softcap(4.0)), ("learned", learned)):
+    cap3, cap4 = sf.inlined(sf.softcap(3.0)), sf.inlined(sf.softcap(4.0))  # as written, not as softcap=
+    for name, functions in (("cap3", cap3), ("cap4", cap4), ("learned", learned)):
         _RecordingLauncher.launches = []
         compiled(q, k, v, functions).backward()
         launched = {launch_name: kernel for launch_name, kernel, *_ in _RecordingLauncher.launches}

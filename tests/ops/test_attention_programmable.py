@@ -77,14 +77,35 @@ def _doc_ids(case: Case, documents: int = 4) -> torch.Tensor:
 # Each builder: (case, dtype) -> (our keyword arguments, reference keyword arguments as
 # attention_reference takes them given fp64 tensors, and the learnable tensors (ours, and
 # the reference's view of them) whose gradients to compare).
+# The ready-made softcap and ALiBi run as the switches they stand for (predefined.py; tested
+# below); sf.inlined runs them as functions, as one's own would.
 def _softcap(case, dtype):
     cap = 4.0
-    return sf.softcap(cap, approximate=dtype in (torch.float16, torch.bfloat16)), {"softcap": cap}, []
+    capped = sf.softcap(cap, approximate=dtype in (torch.float16, torch.bfloat16))
+    return sf.inlined(capped), {"softcap": cap}, []
 
 
 def _alibi(case, dtype):
     slopes = torch.rand(case.q_heads, device="cuda") * 0.2 + 0.01
-    return sf.alibi(slopes, case.seqlen_q, case.seqlen_k), {"alibi_slopes": slopes}, []
+    return sf.inlined(sf.alibi(slopes, case.seqlen_q, case.seqlen_k)), {"alibi_slopes": slopes}, []
+
+
+def _additive_bias(case, dtype, shape=None):
+    """A learnable bias through score_functions.additive_bias, as written (its gradient by aux_grad's
+    adds); shape: each dim 1 or the call's (broadcast: one entry takes many pairs' adds)."""
+    shape = shape or (case.batch, case.q_heads, case.seqlen_q, case.seqlen_k)
+    bias = torch.randn(shape, device="cuda", dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    bias.requires_grad_()
+    return sf.inlined(sf.additive_bias(bias)), {"attn_bias": lambda table: table}, [bias]
+
+
+def _head_and_key_bias(case, dtype):
+    return _additive_bias(case, dtype, (1, case.q_heads, 1, case.seqlen_k))
+
+
+def _sliding_window(case, dtype, left=20, right=7):
+    window = sf.inlined(sf.sliding_window(left, right, case.seqlen_q, case.seqlen_k))
+    return window, {"window_size": (left, right)}, []
 
 
 def _relative(case, dtype, max_distance=16):
@@ -147,6 +168,10 @@ CASES = {
     "key-padding-causal": (WIDE, True, _key_padding),
     "key-padding-sq-lt-sk": (Case("sq-lt-sk", 2, 4, 4, 100, 300, 64), False, _key_padding),
     "relative-in-documents-causal": (DOCS, True, _relative_in_documents),
+    "additive-bias": (GQA_4TO1, False, _additive_bias),
+    "additive-bias-broadcast-causal": (SQ_GT_SK, True, _head_and_key_bias),
+    "sliding-window": (Case("sq-lt-sk", 2, 4, 2, 100, 300, 64), False, _sliding_window),
+    "sliding-window-causal": (ODD_LENGTHS, True, _sliding_window),
 }
 
 
@@ -395,12 +420,51 @@ def test_op_attention_programmable_head_dims(head_dim):
     check_case(case, torch.bfloat16, True, _relative_in_documents)
 
 
+def _predefined_and_keyword(case, dtype, causal):
+    """name -> (a ready-made function's arguments, the keyword arguments it stands for, the
+    learnable tensors)."""
+    slopes = torch.rand(case.q_heads, device="cuda") * 0.2 + 0.01
+    bias = torch.randn(1, case.q_heads, case.seqlen_q, case.seqlen_k, device="cuda").requires_grad_()
+    sixteen_bits = dtype in (torch.float16, torch.bfloat16)
+    return {
+        "softcap": (sf.softcap(4.0, approximate=sixteen_bits), {"softcap": 4.0}, []),
+        "alibi": (sf.alibi(slopes, case.seqlen_q, case.seqlen_k), {"alibi_slopes": slopes}, []),
+        "bias": (sf.additive_bias(bias), {"attn_bias": bias}, [bias]),
+        # and-ed with causal, nothing right of the diagonal: window_size's right side must be 0
+        "window": (sf.sliding_window(24, 5, case.seqlen_q, case.seqlen_k), {"window_size": (24, 0 if causal else 5)},
+                   []),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["softcap", "alibi", "bias", "window"])
+def test_op_predefined_functions_are_the_builtin_modifiers(name, causal, dtype):
+    """The ready-made softcap, ALiBi, bias and window run the kernels' code for the keyword
+    argument they stand for (predefined.py): the same bits, gradients included (a bias's summed
+    by the same kernels). GQA 4:1, Sq != Sk."""
+    case = GQA_4TO1
+    q, k, v = make_inputs(case, dtype, requires_grad=True)
+    function, keyword, learnable = _predefined_and_keyword(case, dtype, causal)[name]
+    d_out = torch.randn_like(q)
+    results = []
+    for kwargs in (function, keyword):
+        out, lse = tile_fmha_with_backward(q, k, v, is_causal=causal, return_lse=True, **kwargs)
+        results.append((out, lse, *torch.autograd.grad(out, [q, k, v, *learnable], d_out)))
+    names = ["out", "lse", "dq", "dk", "dv"] + ["d_bias"] * len(learnable)
+    for label, got, want in zip(names, *results, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=lambda m, n=label: f"{name} {n}: {m}")
+    reference, _ = attention_reference(q, k, v, is_causal=causal, **keyword)
+    baseline, _ = attention_reference(q, k, v, is_causal=causal, compute_dtype=dtype, **keyword)
+    assert_close_to_reference("out", results[0][0], baseline, reference, dtype)
+
+
 def test_op_attention_programmable_gradcheck():
     """float64 gradcheck of a score function (softcap) in q, k, v, and of an aux gradient (a
     relative-position table)."""
     case = Case("tiny", 1, 2, 1, 9, 11, 32)
     q, k, v = make_inputs(case, torch.float64, requires_grad=True)
-    capped = sf.softcap(2.0, approximate=False)
+    capped = sf.inlined(sf.softcap(2.0, approximate=False))
     assert torch.autograd.gradcheck(
         lambda q, k, v: tile_fmha_with_backward(q, k, v, is_causal=True, **capped), (q, k, v), eps=1e-6, atol=1e-7
     )
@@ -483,12 +547,12 @@ def test_op_attention_programmable_kernels_are_keyed_by_function():
     results; the same function defined twice shares one."""
     case = ODD_LENGTHS
     q, k, v = make_inputs(case, torch.bfloat16)
-    outs = {cap: tile_fmha(q, k, v, is_causal=False, **sf.softcap(cap)) for cap in (1.0, 8.0)}
+    outs = {cap: tile_fmha(q, k, v, is_causal=False, **sf.inlined(sf.softcap(cap))) for cap in (1.0, 8.0)}
     refs = {cap: attention_reference(q, k, v, is_causal=False, softcap=cap)[0] for cap in (1.0, 8.0)}
     for cap in outs:
         assert max_error(outs[cap], refs[cap]) < 3e-2
     assert max_error(outs[1.0], outs[8.0]) > 0.05
-    again = tile_fmha(q, k, v, is_causal=False, **sf.softcap(1.0))
+    again = tile_fmha(q, k, v, is_causal=False, **sf.inlined(sf.softcap(1.0)))
     torch.testing.assert_close(again, outs[1.0], atol=0, rtol=0)
 
 
@@ -509,7 +573,7 @@ def test_op_attention_programmable_compile_error_names_the_function():
 
 def test_op_attention_programmable_bad_arguments():
     q, k, v = make_inputs(ODD_LENGTHS, torch.bfloat16, requires_grad=True)
-    capped = sf.softcap(4.0)
+    capped = sf.inlined(sf.softcap(4.0))  # a function as written (the ready-made one is softcap=)
     with pytest.raises(ValueError, match="score_mod_grad"):
         tile_fmha_with_backward(q, k, v, score_mod=capped["score_mod"])
     with pytest.raises(ValueError, match="score_mod_grad is given without score_mod"):

@@ -220,7 +220,13 @@ def test_create_block_mask_for_packed_batches_checks_the_lengths():
 # it masks (block_sparse).
 _READY_MADE = {
     "softcap": (score_functions.softcap(30.0), {}, False),
-    "alibi": (score_functions.alibi(torch.zeros(4), 8, 8), {"Aux1": (ct.int32, 1)}, False),
+    "alibi": (score_functions.alibi(torch.zeros(4), 8, 8), {}, False),
+    "additive-bias": (
+        score_functions.additive_bias(torch.zeros(2, 4, 8, 8)),
+        {"Aux0": (ct.float32, 4), "AuxGrad0": (ct.float32, 4)},
+        False,
+    ),
+    "sliding-window": (score_functions.sliding_window(5, 0, 8, 8), {}, True),
     "relative": (
         score_functions.relative_position_bias(torch.zeros(4, 17), 8),
         {"Aux0": (ct.float32, 2), "AuxGrad0": (ct.float32, 2)},

@@ -751,10 +751,11 @@ def _relative(q_heads):
 
 
 FUNCTIONS = {
-    "softcap": lambda h: (sf.softcap(4.0), {}, lambda s, lq, lk: {"softcap": 4.0}),
+    # inlined: as a function (the ready-made softcap runs as softcap= otherwise, predefined.py)
+    "softcap": lambda h: (sf.inlined(sf.softcap(4.0)), {}, lambda s, lq, lk: {"softcap": 4.0}),
     "relative-table": _relative,
     "softcap-sinks-window": lambda h: (
-        sf.softcap(3.0),
+        sf.inlined(sf.softcap(3.0)),
         {"sinks": _sinks(h), "window_size": (32, 0)},
         lambda s, lq, lk: {"softcap": 3.0},
     ),
@@ -819,15 +820,29 @@ def _learned_per_sequence(q_heads, sequences):
     return bias, functions, meaning
 
 
+def _learned_bias_per_sequence(q_heads, batch):
+    """score_functions.additive_bias with a [sequences, Hq, max Lq, max Lk] bias: each sequence
+    reads its own from its first row (run as a function: attn_bias takes no packed batch)."""
+    shape = (batch.sequences, q_heads, batch.max_seqlen_q, batch.max_seqlen_k)
+    bias = torch.randn(shape, device=DEVICE).requires_grad_()
+
+    def meaning(sequence, seqlen_q, seqlen_k, ref):
+        return {"attn_bias": ref[sequence, :, :seqlen_q, :seqlen_k][None]}
+
+    return bias, sf.additive_bias(bias), meaning
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", ["relative-table", "per-sequence"])
+@pytest.mark.parametrize("name", ["relative-table", "per-sequence", "additive-bias"])
 def test_op_varlen_aux_gradient(name, head_dim, causal):
     """Empty sequences, a single row, Lq != Lk, GQA, spare rows and one sequence long enough for
     tiles beyond the table's reach; the aux tensor's gradient against the per-sequence reference's."""
     batch = pack(MIXED_Q + [90, 3, 700], MIXED_K + [40, 0, 650], 4, 2, head_dim, spare_q=5, spare_k=3)
     if name == "relative-table":
         learnable, functions, meaning = _learned_relative(4)
+    elif name == "additive-bias":
+        learnable, functions, meaning = _learned_bias_per_sequence(4, batch)
     else:
         learnable, functions, meaning = _learned_per_sequence(4, batch.sequences)
     check(batch, causal, lse_grad=True, functions=functions, per_sequence=meaning, learnable=[learnable])

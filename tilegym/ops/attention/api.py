@@ -43,6 +43,10 @@ programmable.py and docs/attention.md have the contract):
   repeatable under torch.use_deterministic_algorithms(True)).
 - mask_mod ``(b, h, q_idx, kv_idx, mask_aux) -> bool`` with mask_aux, or block_mask, a
   create_block_mask result reused across calls; and-ed with is_causal and window_size.
+
+attn_bias, window_size, softcap and alibi_slopes are also functions, score_functions.additive_bias,
+sliding_window, softcap and alibi: passed as score_mod or mask_mod they run the kernels' code for
+the keyword argument wherever it computes the same (predefined.py).
 """
 
 from collections.abc import Callable
@@ -51,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tilegym.ops.attention import custom_ops, launch
+from tilegym.ops.attention import custom_ops, launch, predefined
 from tilegym.ops.attention.autograd import AttentionFunction, PackedAttentionFunction
 from tilegym.ops.attention.block_mask import BlockMask
 from tilegym.ops.attention.caller_functions import CallerFunctions, closure_free, operator_key
@@ -108,6 +112,7 @@ def tile_fmha(
     """
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    mods, programs = predefined.lower(mods, programs, q, k, is_causal)
     if torch.compiler.is_compiling() and _operator_takes(programs):
         out, _ = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=False, differentiable=False)
         return out
@@ -147,6 +152,7 @@ def fmha_forward_with_lse(
     """
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    mods, programs = predefined.lower(mods, programs, q, k, is_causal)
     if torch.compiler.is_compiling() and _operator_takes(programs):
         out, lse = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=False)
         return out, lse.to(torch.float32)
@@ -198,6 +204,7 @@ def tile_fmha_with_backward(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+    mods, programs = predefined.lower(mods, programs, q, k, is_causal)
     if torch.compiler.is_compiling() and _operator_takes(programs):
         out, lse = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=True)
         return (out, lse) if return_lse else out
@@ -205,12 +212,13 @@ def tile_fmha_with_backward(
         out, lse = _programmed_training(q, k, v, scaling, is_causal, mods, programs)
         return (out, lse) if return_lse else out
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
-    if _needs_grad(q, k, v, attn_bias, sinks):
+    # mods.attn_bias, not attn_bias: a ready-made bias function may have become it (predefined.py).
+    if _needs_grad(q, k, v, mods.attn_bias, sinks):
         # The backward's kernels compile in the background while the forward's kernel compiles.
-        bias_grad = attn_bias is not None and attn_bias.requires_grad
+        bias_grad = mods.attn_bias is not None and mods.attn_bias.requires_grad
         sinks_grad = sinks is not None and sinks.requires_grad
         launch.compile_backward_ahead(q, k, v, problem, mod_tensors, bias_grad, sinks_grad)
-    out, lse = AttentionFunction.apply(q, k, v, attn_bias, sinks, problem, mod_tensors)
+    out, lse = AttentionFunction.apply(q, k, v, mods.attn_bias, sinks, problem, mod_tensors)
     return (out, lse) if return_lse else out
 
 
@@ -324,6 +332,7 @@ def tile_fmha_functional(
         packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
         functions = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
+        mods, functions = predefined.lower(mods, functions, q, k, is_causal, (cu_seqlens_q, cu_seqlens_k))
         return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training, functions)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:

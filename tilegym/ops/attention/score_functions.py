@@ -19,6 +19,11 @@ torch.use_deterministic_algorithms); a score function of a few elementwise opera
 no table per score may be declared so with @elementwise, which lets it run on the fused
 backward (the ready-made ALiBi and softcap are).
 
+softcap, alibi, additive_bias and sliding_window are the built-in modifiers softcap=,
+alibi_slopes=, attn_bias= and window_size= as functions: a call that passes one runs the
+kernels' own code for the keyword argument wherever it computes the same (predefined.py);
+inlined() gives copies that always run as written.
+
 A factory called again with the same numbers returns the same function objects: the host
 reads a function's fingerprint once per object, and torch.compile traces once per object. Its
 numbers are globals of its functions' own copies, not closures (_specialized says why): a
@@ -31,6 +36,7 @@ from functools import lru_cache
 import cuda.tile as ct
 import torch
 
+from tilegym.ops.attention import predefined
 from tilegym.ops.attention.aux_gradients import FIXED_SCALE, MAGNITUDE_LIMIT, MAGNITUDE_SCALE, SHARE_LIMIT
 
 
@@ -83,11 +89,11 @@ def softcap(cap: float, approximate: bool = True) -> dict:
 def _softcap_functions(cap: float, approximate: bool):
     rounding = ct.RoundingMode.APPROX if approximate else None
     score, grad = _specialized((_softcap_score, _softcap_grad), _CAP=cap, _INVERSE=1.0 / cap, _ROUNDING=rounding)
-    return elementwise(score), grad
+    return predefined.mark(elementwise(score), predefined.Softcap(cap, approximate, grad)), grad
 
 
 # Constants of the templates below, set per copy (_specialized).
-_CAP = _INVERSE = _ROUNDING = _REACH = _WINDOW = _GLOBAL_TOKENS = None
+_CAP = _INVERSE = _ROUNDING = _REACH = _WINDOW = _GLOBAL_TOKENS = _SHIFT = _LOW = _HIGH = None
 
 
 def _softcap_score(score, b, h, q_idx, kv_idx, aux):
@@ -98,6 +104,24 @@ def _softcap_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
     # d/ds cap tanh(s / cap) = 1 - tanh^2, read from the output: no second tanh.
     capped = out * _INVERSE
     return grad * (1.0 - capped * capped)
+
+
+def inlined(functions: dict) -> dict:
+    """A factory's keyword arguments whose functions run inlined as written, never as the
+    built-in code they stand for (predefined.py): the same numbers through the mechanism a
+    function of one's own takes, to compare the two. The same copies for the same functions."""
+    return {name: _inlined_copy(value) if hasattr(value, "predefined") else value for name, value in functions.items()}
+
+
+@lru_cache(maxsize=64)
+def _inlined_copy(function: types.FunctionType) -> types.FunctionType:
+    """function without its mark, under a code object of its own (so that torch.compile does not
+    take it for the original); same fingerprint, so the same kernels."""
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)  # fmt: skip
+    copy.__qualname__ = function.__qualname__
+    copy.__dict__.update({key: item for key, item in function.__dict__.items() if key != "predefined"})
+    return copy
 
 
 def _specialized(templates: tuple, **constants) -> tuple:
@@ -116,20 +140,64 @@ def _specialized(templates: tuple, **constants) -> tuple:
     return tuple(copies)
 
 
-@elementwise
-def _alibi_score(score, b, h, q_idx, kv_idx, aux):
+def _alibi_template(score, b, h, q_idx, kv_idx, aux):
     # Positions become floats before they broadcast: a conversion per row and per column, not
     # per score (one costs as much as an exp2). Exact below 2^24 tokens.
     slope = ct.gather(aux[0], h)
-    query_positions = ct.astype(q_idx + ct.gather(aux[1], 0), score.dtype)
+    query_positions = ct.astype(q_idx + _SHIFT, score.dtype)
     return score - slope * ct.abs(query_positions - ct.astype(kv_idx, score.dtype))
 
 
 def alibi(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> dict:
     """ALiBi: score - slope[h] * |i + Sk - Sq - j| (bottom-right aligned, as alibi_slopes);
-    slopes float32 [Hq]."""
-    offset = torch.tensor([seqlen_k - seqlen_q], dtype=torch.int32, device=slopes.device)
-    return {"score_mod": _alibi_score, "score_mod_grad": additive_grad, "aux": (slopes, offset)}
+    slopes float32 [Hq]. A call with these lengths runs alibi_slopes=slopes (predefined.py); a
+    kernel per Sk - Sq otherwise."""
+    return {"score_mod": _alibi_function(int(seqlen_k) - int(seqlen_q)), "score_mod_grad": additive_grad,
+            "aux": (slopes,)}  # fmt: skip
+
+
+@lru_cache(maxsize=64)
+def _alibi_function(shift: int):
+    (score,) = _specialized((_alibi_template,), _SHIFT=shift)
+    return predefined.mark(elementwise(score), predefined.Alibi(shift, additive_grad))
+
+
+def additive_bias(bias: torch.Tensor) -> dict:
+    """score + bias[b, h, i, j]: attn_bias as a score function. bias is 4-D, each dim 1 (shared
+    by every batch entry, head, query or key) or the call's; q's dtype or float32 for the
+    built-in code to run it (predefined.py), which dense calls then do. When bias requires grad
+    it gets one, summed over the dims it broadcasts. On a packed batch b is the sequence and i, j
+    count within it, so a [sequences, heads, max_seqlen_q, max_seqlen_k] bias gives each
+    sequence its own (run as a function, by atomic adds into the gradient)."""
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
+        raise ValueError(f"bias must be a 4-D tensor [B or 1, H or 1, Sq or 1, Sk or 1], got {_shape_of(bias)}")
+    return {"score_mod": _bias_score, "score_mod_grad": additive_grad, "aux": (bias,), "aux_grad": _bias_grad}
+
+
+def _shape_of(value) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _bias_index(b, h, q_idx, kv_idx, bias):
+    """The bias entry of each pair, a dim of size 1 read at 0."""
+    last_query, last_key = bias.shape[2] - 1, bias.shape[3] - 1
+    return (
+        min(b, bias.shape[0] - 1),
+        min(h, bias.shape[1] - 1),
+        ct.minimum(q_idx, last_query),
+        ct.minimum(kv_idx, last_key),
+    )
+
+
+def _bias_score(score, b, h, q_idx, kv_idx, aux):
+    return score + ct.astype(ct.gather(aux[0], _bias_index(b, h, q_idx, kv_idx, aux[0])), score.dtype)
+
+
+def _bias_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    add_to_aux_grad(aux_grads, 0, _bias_index(b, h, q_idx, kv_idx, aux[0]), grad)
+
+
+predefined.mark(_bias_score, predefined.AdditiveBias(additive_grad, _bias_grad))
 
 
 def relative_position_bias(table: torch.Tensor, max_distance: int) -> dict:
@@ -236,3 +304,30 @@ def _within_length(b, h, q_idx, kv_idx, mask_aux):
 def key_padding(lengths: torch.Tensor) -> dict:
     """Keys at or past lengths[b] (int32 [B]) are padding, hidden from every query."""
     return {"mask_mod": _within_length, "mask_aux": (lengths,)}
+
+
+def sliding_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> dict:
+    """window_size=(left, right) as a mask function: query i sees keys i + d - left ... i + d +
+    right, d = Sk - Sq, a side of -1 unbounded; and-ed with is_causal as window_size is. A call
+    with these lengths runs window_size (predefined.py): its tiles are ranges, no block mask."""
+    for name, side in (("left", left), ("right", right)):
+        if isinstance(side, bool) or not isinstance(side, int) or side < -1:
+            raise ValueError(f"{name} must be an int >= 0, or -1 for unbounded, got {side!r}")
+    return {"mask_mod": _window_function(left, right, int(seqlen_k) - int(seqlen_q))}
+
+
+# Beyond any distance between positions (Sq + Sk < 2^29): an unbounded side.
+_UNBOUNDED_SIDE = 2**30
+
+
+@lru_cache(maxsize=64)
+def _window_function(left: int, right: int, shift: int):
+    low = -left if left >= 0 else -_UNBOUNDED_SIDE
+    high = right if right >= 0 else _UNBOUNDED_SIDE
+    (mask,) = _specialized((_window_template,), _LOW=low, _HIGH=high, _SHIFT=shift)
+    return predefined.mark(mask, predefined.Window(left, right, shift))
+
+
+def _window_template(b, h, q_idx, kv_idx, mask_aux):
+    offset = kv_idx - (q_idx + _SHIFT)
+    return (offset >= _LOW) & (offset <= _HIGH)

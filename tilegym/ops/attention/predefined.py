@@ -1,0 +1,172 @@
+"""The built-in modifiers as score and mask functions: one way to ask for each.
+
+Softcap, ALiBi, the additive bias and the sliding window are ready-made functions in
+score_functions (softcap, alibi, additive_bias, sliding_window), each marked with what it
+computes (a `predefined` attribute holding one of the records below). The keyword arguments
+softcap=, alibi_slopes=, attn_bias= and window_size= are the same four, spelled as numbers and
+tensors. A call that passes a marked function runs the kernels' own code for it, as if the
+keyword argument had been given (lower): the kernels keep hand-made forms of these four (ALiBi
+split between the scores and the row statistics, softcap's tanh kept for its derivative,
+windows as tile ranges) that a function of one's own cannot reach (perf-notes#predefined-functions).
+
+A marked function runs as the function it is (inlined like any other) wherever the built-in
+code would compute something else or cannot take it: another modifier of the same kind in the
+call, a modifier applied before it that it does not commute with (softcap after a bias), an
+exact tanh asked of 16-bit inputs or the hardware tanh of 32/64-bit ones, lengths other than
+the ones the function was made for, a packed batch whose sequences may each have their own
+(alibi and sliding_window), or tensors the keyword argument refuses.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Softcap:
+    """score -> cap * tanh(score / cap): softcap=cap. approximate: the hardware tanh, which
+    softcap= uses for 16-bit inputs (the exact one for 32- and 64-bit inputs)."""
+
+    cap: float
+    approximate: bool
+    score_mod_grad: Callable
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """score - slopes[h] * |i + shift - j| with the slopes aux[0], float32 [Hq]:
+    alibi_slopes=slopes where shift = Sk - Sq."""
+
+    shift: int
+    score_mod_grad: Callable
+
+
+@dataclass(frozen=True)
+class AdditiveBias:
+    """score + bias[b, h, i, j], the bias aux[0] with each dim 1 or full: attn_bias=bias."""
+
+    score_mod_grad: Callable
+    aux_grad: Callable
+
+
+@dataclass(frozen=True)
+class Window:
+    """Query i sees keys i + shift - left ... i + shift + right (-1: unbounded):
+    window_size=(left, right) where shift = Sk - Sq."""
+
+    left: int
+    right: int
+    shift: int
+
+
+def mark(function: Callable, what) -> Callable:
+    """function, marked as computing `what` (one of the records above)."""
+    function.predefined = what
+    return function
+
+
+def lower(mods, functions, q, k, is_causal, cu_seqlens=None):
+    """(mods, functions) of a call with its marked functions turned into the keyword arguments
+    they stand for, where the built-in code computes the same (see the module docstring).
+
+    mods: the call's modifier arguments (api._Mods); functions: its CallerFunctions or None;
+    cu_seqlens: (cu_seqlens_q, cu_seqlens_k) of a packed batch. Reads shapes, dtypes and Python
+    attributes only (no host sync), so torch.compile traces it; a call whose arguments are not
+    what the checks accept is left as it is, for them to refuse."""
+    if functions is None or not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return mods, functions
+    if q.dim() != (3 if cu_seqlens is not None else 4) or k.dim() != q.dim():
+        return mods, functions
+    lengths = _Lengths(q, k, cu_seqlens)
+    score = getattr(functions.score_mod, "predefined", None)
+    if score is not None and _companions_given(functions, score):
+        lowered = _lower_score(mods, score, functions.aux_tensors(), q, lengths)
+        if lowered is not None:
+            mods = lowered
+            functions = replace(functions, score_mod=None, score_mod_grad=None, aux=None, aux_grad=None)
+    window = getattr(functions.mask_mod, "predefined", None)
+    if isinstance(window, Window) and _takes_window(mods, functions, window, lengths):
+        right = 0 if is_causal else window.right
+        mods = replace(mods, window_size=(window.left, right))
+        functions = replace(functions, mask_mod=None)
+    # Anything left (a tensor or gradient function without its function) stays, for the checks
+    # to refuse.
+    if all(getattr(functions, field.name) is None for field in fields(functions)):
+        return mods, None
+    return mods, functions
+
+
+@dataclass(frozen=True)
+class _Lengths:
+    q: torch.Tensor
+    k: torch.Tensor
+    cu_seqlens: tuple | None
+
+    def shift_is(self, shift: int) -> bool:
+        """Whether every sequence's Sk - Sq is shift: the dense call's lengths, or a packed call
+        whose queries and keys share one cumulative-length tensor (shift 0)."""
+        if self.cu_seqlens is not None:
+            cu_seqlens_q, cu_seqlens_k = self.cu_seqlens
+            return shift == 0 and cu_seqlens_q is cu_seqlens_k
+        return self.k.shape[2] - self.q.shape[2] == shift
+
+    @property
+    def q_heads(self) -> int:
+        return self.q.shape[1]
+
+
+def _companions_given(functions, score) -> bool:
+    """Whether the call's score_mod_grad and aux_grad are the marked function's own (or not
+    given): anything else is a function of the caller's, to run as given."""
+    aux_grad = getattr(score, "aux_grad", None)
+    return functions.score_mod_grad in (None, score.score_mod_grad) and functions.aux_grad in (None, aux_grad)
+
+
+def _lower_score(mods, score, aux: tuple, q, lengths: _Lengths):
+    """mods with the keyword argument score stands for, or None where it stays a function."""
+    sixteen_bits = q.dtype in (torch.float16, torch.bfloat16)
+    if isinstance(score, Softcap):
+        # The built-in softcap comes first: after a bias or ALiBi the function computes another thing.
+        builtin_before = mods.attn_bias is not None or mods.alibi_slopes is not None
+        if mods.softcap or builtin_before or aux or score.approximate != sixteen_bits:
+            return None
+        return replace(mods, softcap=score.cap)
+    if isinstance(score, Alibi):
+        slopes = aux[0] if len(aux) == 1 else None
+        if mods.alibi_slopes is not None or not lengths.shift_is(score.shift) or not _slopes_fit(slopes, q, lengths):
+            return None
+        return replace(mods, alibi_slopes=slopes)
+    if isinstance(score, AdditiveBias):
+        bias = aux[0] if len(aux) == 1 else None
+        if mods.attn_bias is not None or lengths.cu_seqlens is not None or not _bias_fits(bias, q, lengths):
+            return None
+        return replace(mods, attn_bias=bias)
+    return None
+
+
+def _slopes_fit(slopes, q, lengths: _Lengths) -> bool:
+    """Whether alibi_slopes takes slopes as the function reads them: float32 [Hq], no gradient
+    wanted (the function path refuses one without an aux_grad)."""
+    return (
+        isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.device == q.device
+        and tuple(slopes.shape) == (lengths.q_heads,) and not slopes.requires_grad
+    )  # fmt: skip
+
+
+def _bias_fits(bias, q, lengths: _Lengths) -> bool:
+    """Whether attn_bias takes bias as the function reads it: 4-D, each dim 1 or the call's."""
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 4 or bias.device != q.device:
+        return False
+    if bias.dtype not in (q.dtype, torch.float32):
+        return False
+    full = (q.shape[0], q.shape[1], q.shape[2], lengths.k.shape[2])
+    return all(size in (1, whole) for size, whole in zip(bias.shape, full, strict=True))
+
+
+def _takes_window(mods, functions, window: Window, lengths: _Lengths) -> bool:
+    """Whether window_size computes the marked window: no window of its own, no tensors or block
+    mask with it, and the lengths the function was made for."""
+    if mods.window_size is not None or functions.mask_aux or functions.block_mask is not None:
+        return False
+    return lengths.shift_is(window.shift)
