@@ -5,6 +5,7 @@ CPU, from shapes, dtypes and the functions' marks."""
 import pytest
 import torch
 
+from tests.ops.test_attention_cpu import _RecordingLauncher
 from tilegym.ops.attention import api, launch, predefined
 from tilegym.ops.attention import score_functions as sf
 from tilegym.ops.attention.caller_functions import CallerFunctions
@@ -156,24 +157,14 @@ def test_op_predefined_functions_as_written():
     assert functions.score_mod_grad is own_grad and not mods.softcap
 
 
-class _Recorder:
-    """Stands in for launch._Launcher: records the problem of each launch."""
+class _Recorder(_RecordingLauncher):
+    """Records the problem of each launcher too."""
 
     problems: list = []
 
     def __init__(self, problem, device, block_mask=None):
+        super().__init__(problem, device, block_mask)
         self.problems.append(problem)
-        self.problem = problem
-        self.arch = "sm_90"
-        self.device = device
-        self.block_mask = block_mask
-
-    candidates = launch._Launcher.candidates
-    tuned = launch._Launcher.tuned
-
-    def launch(self, launch):
-        if launch.reset is not None:
-            launch.reset()
 
 
 def test_op_predefined_under_torch_compile(monkeypatch):
