@@ -155,6 +155,12 @@ def test_op_predefined_functions_as_written():
 
     mods, functions = _lower({**sf.softcap(30.0), "score_mod_grad": own_grad})
     assert functions.score_mod_grad is own_grad and not mods.softcap
+    # Without its gradient it stays a function: training then refuses it as it would any.
+    mods, functions = _lower({"score_mod": sf.softcap(30.0)["score_mod"]})
+    assert functions.score_mod is not None and not mods.softcap
+    bias = sf.additive_bias(torch.zeros(B, HQ, SQ, SK))
+    mods, functions = _lower({**bias, "aux_grad": None})
+    assert functions.score_mod is not None and mods.attn_bias is None
 
 
 class _Recorder(_RecordingLauncher):

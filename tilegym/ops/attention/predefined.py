@@ -14,7 +14,8 @@ code would compute something else or cannot take it: another modifier of the sam
 call, a modifier applied before it that it does not commute with (softcap after a bias), an
 exact tanh asked of 16-bit inputs or the hardware tanh of 32/64-bit ones, lengths other than
 the ones the function was made for, a packed batch whose sequences may each have their own
-(alibi and sliding_window), or tensors the keyword argument refuses.
+(alibi and sliding_window), tensors the keyword argument refuses, or a score_mod_grad or
+aux_grad other than the one its factory gives (or none).
 """
 
 from collections.abc import Callable
@@ -117,10 +118,11 @@ class _Lengths:
 
 
 def _companions_given(functions, score) -> bool:
-    """Whether the call's score_mod_grad and aux_grad are the marked function's own (or not
-    given): anything else is a function of the caller's, to run as given."""
+    """Whether the call's score_mod_grad and aux_grad are the marked function's own, as its
+    factory gives them: another or a missing one runs the function as given, with the checks a
+    function gets (a missing score_mod_grad is an error in training, dtype or not)."""
     aux_grad = getattr(score, "aux_grad", None)
-    return functions.score_mod_grad in (None, score.score_mod_grad) and functions.aux_grad in (None, aux_grad)
+    return functions.score_mod_grad is score.score_mod_grad and functions.aux_grad is aux_grad
 
 
 def _lower_score(mods, score, aux: tuple, q, lengths: _Lengths):
