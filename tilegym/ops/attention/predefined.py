@@ -74,32 +74,42 @@ def lower(mods, functions, q, k, is_causal, cu_seqlens=None):
     mods: the call's modifier arguments (api._Mods); functions: its CallerFunctions or None;
     cu_seqlens: (cu_seqlens_q, cu_seqlens_k) of a packed batch. Reads shapes, dtypes and Python
     attributes only (no host sync), so torch.compile traces it; a call whose arguments are not
-    what the checks accept is left as it is, for them to refuse."""
-    if functions is None or not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+    what the checks accept is left as it is, for them to refuse. Functions of one's own cost two
+    attribute reads; a lowered call rebuilds mods once (and functions once, where some remain)."""
+    if functions is None:
+        return mods, None
+    score = getattr(functions.score_mod, "predefined", None)
+    window = getattr(functions.mask_mod, "predefined", None)
+    if score is None and window is None:
+        return mods, functions
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return mods, functions
     if q.dim() != (3 if cu_seqlens is not None else 4) or k.dim() != q.dim():
         return mods, functions
     lengths = _Lengths(q, k, cu_seqlens)
-    score = getattr(functions.score_mod, "predefined", None)
+    keywords, removed = {}, {}
     if score is not None and _companions_given(functions, score):
-        lowered = _lower_score(mods, score, functions.aux_tensors(), q, lengths)
-        if lowered is not None:
-            mods = lowered
-            functions = replace(functions, score_mod=None, score_mod_grad=None, aux=None, aux_grad=None)
-    window = getattr(functions.mask_mod, "predefined", None)
+        keyword = _score_keyword(mods, score, functions.aux_tensors(), q, lengths)
+        if keyword is not None:
+            keywords.update(keyword)
+            removed.update(score_mod=None, score_mod_grad=None, aux=None, aux_grad=None)
     if isinstance(window, Window) and _takes_window(mods, functions, window, lengths):
-        right = 0 if is_causal else window.right
-        mods = replace(mods, window_size=(window.left, right))
-        functions = replace(functions, mask_mod=None)
+        keywords["window_size"] = (window.left, 0 if is_causal else window.right)
+        removed["mask_mod"] = None
+    if not keywords:
+        return mods, functions
+    mods = replace(mods, **keywords)
     # Anything left (a tensor or gradient function without its function) stays, for the checks
     # to refuse.
-    if all(getattr(functions, field.name) is None for field in fields(functions)):
+    if all(removed.get(field.name, getattr(functions, field.name)) is None for field in fields(functions)):
         return mods, None
-    return mods, functions
+    return mods, replace(functions, **removed)
 
 
 @dataclass(frozen=True)
 class _Lengths:
+    """The call's tensors whose lengths a marked function must have been made for."""
+
     q: torch.Tensor
     k: torch.Tensor
     cu_seqlens: tuple | None
@@ -125,25 +135,25 @@ def _companions_given(functions, score) -> bool:
     return functions.score_mod_grad is score.score_mod_grad and functions.aux_grad is aux_grad
 
 
-def _lower_score(mods, score, aux: tuple, q, lengths: _Lengths):
-    """mods with the keyword argument score stands for, or None where it stays a function."""
+def _score_keyword(mods, score, aux: tuple, q, lengths: _Lengths) -> dict | None:
+    """The keyword argument score stands for ({name: value}), or None where it stays a function."""
     sixteen_bits = q.dtype in (torch.float16, torch.bfloat16)
     if isinstance(score, Softcap):
         # The built-in softcap comes first: after a bias or ALiBi the function computes another thing.
         builtin_before = mods.attn_bias is not None or mods.alibi_slopes is not None
         if mods.softcap or builtin_before or aux or score.approximate != sixteen_bits:
             return None
-        return replace(mods, softcap=score.cap)
+        return {"softcap": score.cap}
     if isinstance(score, Alibi):
         slopes = aux[0] if len(aux) == 1 else None
         if mods.alibi_slopes is not None or not lengths.shift_is(score.shift) or not _slopes_fit(slopes, q, lengths):
             return None
-        return replace(mods, alibi_slopes=slopes)
+        return {"alibi_slopes": slopes}
     if isinstance(score, AdditiveBias):
         bias = aux[0] if len(aux) == 1 else None
         if mods.attn_bias is not None or lengths.cu_seqlens is not None or not _bias_fits(bias, q, lengths):
             return None
-        return replace(mods, attn_bias=bias)
+        return {"attn_bias": bias}
     return None
 
 
