@@ -23,6 +23,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from tilegym.ops.attention.caller_functions import CallerFunctions
+
 
 @dataclass(frozen=True)
 class Softcap:
@@ -98,12 +100,10 @@ def lower(mods, functions, q, k, is_causal, cu_seqlens=None):
         removed["mask_mod"] = None
     if not keywords:
         return mods, functions
-    mods = replace(mods, **keywords)
     # Anything left (a tensor or gradient function without its function) stays, for the checks
-    # to refuse.
-    if all(removed.get(field.name, getattr(functions, field.name)) is None for field in fields(functions)):
-        return mods, None
-    return mods, replace(functions, **removed)
+    # to refuse; None where nothing is (CallerFunctions.of).
+    left = (removed.get(field.name, getattr(functions, field.name)) for field in fields(functions))
+    return replace(mods, **keywords), CallerFunctions.of(*left)
 
 
 @dataclass(frozen=True)

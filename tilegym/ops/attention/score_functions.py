@@ -117,10 +117,16 @@ def inlined(functions: dict) -> dict:
 def _inlined_copy(function: types.FunctionType) -> types.FunctionType:
     """function without its mark, under a code object of its own (so that torch.compile does not
     take it for the original); same fingerprint, so the same kernels."""
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)  # fmt: skip
-    copy.__qualname__ = function.__qualname__
+    copy = _own_code_copy(function, function.__globals__)
     copy.__dict__.update({key: item for key, item in function.__dict__.items() if key != "predefined"})
+    return copy
+
+
+def _own_code_copy(function: types.FunctionType, namespace: dict) -> types.FunctionType:
+    """function under a code object of its own, reading its globals from namespace."""
+    copy = types.FunctionType(function.__code__.replace(), namespace, function.__name__, function.__defaults__,
+                              function.__closure__)  # fmt: skip
+    copy.__qualname__ = function.__qualname__
     return copy
 
 
@@ -133,8 +139,7 @@ def _specialized(templates: tuple, **constants) -> tuple:
     namespace = {**globals(), **constants}
     copies = []
     for template in templates:
-        copy = types.FunctionType(template.__code__.replace(), namespace, template.__name__, template.__defaults__)
-        copy.__qualname__ = template.__qualname__
+        copy = _own_code_copy(template, namespace)
         namespace[template.__name__] = copy
         copies.append(copy)
     return tuple(copies)
@@ -169,13 +174,11 @@ def additive_bias(bias: torch.Tensor) -> dict:
     it gets one, summed over the dims it broadcasts. On a packed batch b is the sequence and i, j
     count within it, so a [sequences, heads, max_seqlen_q, max_seqlen_k] bias gives each
     sequence its own (run as a function, by atomic adds into the gradient)."""
-    if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
-        raise ValueError(f"bias must be a 4-D tensor [B or 1, H or 1, Sq or 1, Sk or 1], got {_shape_of(bias)}")
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if bias.dim() != 4:
+        raise ValueError(f"bias must be a 4-D tensor [B or 1, H or 1, Sq or 1, Sk or 1], got {list(bias.shape)}")
     return {"score_mod": _bias_score, "score_mod_grad": additive_grad, "aux": (bias,), "aux_grad": _bias_grad}
-
-
-def _shape_of(value) -> str:
-    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def _bias_index(b, h, q_idx, kv_idx, bias):
