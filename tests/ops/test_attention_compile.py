@@ -213,13 +213,13 @@ MODIFIED_MATRIX = list(_compile_modified())
 @pytest.mark.parametrize("kernel, dtype, head_dim, switches", MODIFIED_MATRIX)
 def test_op_attention_score_modifiers_compile(kernel, dtype, head_dim, switches, tmp_path):
     """Each modifier compiles for sm_90 with every candidate config of the tables it picks,
-    keeping the warpgroup MMA and spilling nothing; ALiBi alone, whose tables are its own, causal
-    and not (their register use differs)."""
+    keeping the warpgroup MMA and spilling nothing; ALiBi and softcap alone, whose tables are
+    their own, causal and not (their register use differs)."""
     size = 8 if dtype == ct.float64 else 2
     tables = _score_tables(switches)
     chosen = configs.candidates(kernel, "sm_90", head_dim, size, tables)
     assert chosen, f"{kernel} takes score modifiers but has no sm_90 config for them at D={head_dim}"
-    causal_forms = (False, True) if tables == configs.ScoreTables.ALIBI else (False,)
+    causal_forms = (False, True) if tables in (configs.ScoreTables.ALIBI, configs.ScoreTables.SOFTCAP) else (False,)
     for config in chosen:
         for causal in causal_forms:
             path = tmp_path / "k.cubin"

@@ -70,19 +70,32 @@ def test_op_modified_configs_run_on_single_ctas():
                 table = configs.candidates(kernel, arch, head_dim, 2, configs.ScoreTables.MODIFIED)
                 assert table, f"no config for {kernel} on {arch} at d={head_dim} with modifiers"
                 assert all((config.num_ctas or 1) == 1 for config in table)
-                for own in (configs.ScoreTables.ALIBI, configs.ScoreTables.MASKS, configs.ScoreTables.FUNCTIONS):
+                own_tables = (
+                    configs.ScoreTables.ALIBI,
+                    configs.ScoreTables.MASKS,
+                    configs.ScoreTables.FUNCTIONS,
+                    configs.ScoreTables.SOFTCAP,
+                )
+                for own in own_tables:
                     assert configs.candidates(kernel, arch, head_dim, 2, own), (kernel, arch, own)
 
 
 def test_op_score_tables_follow_the_switches():
-    """ALiBi alone, a mask function alone and a score function pick their own tables; anything
-    else the modified ones."""
+    """ALiBi alone, a mask function alone, a score function and softcap alone pick their own
+    tables; anything else the modified ones."""
     assert configs.score_tables(frozenset()) == configs.ScoreTables.PLAIN
     assert configs.score_tables(frozenset({"alibi"})) == configs.ScoreTables.ALIBI
     assert configs.score_tables(frozenset({"masks"})) == configs.ScoreTables.MASKS
     for functions in ({"functions"}, {"functions", "masks"}):
         assert configs.score_tables(frozenset(functions)) == configs.ScoreTables.FUNCTIONS
-    for other in ({"alibi", "windowed"}, {"capped"}, {"windowed"}, {"functions", "alibi"}, {"masks", "capped"}):
+    assert configs.score_tables(frozenset({"capped"})) == configs.ScoreTables.SOFTCAP
+    for other in (
+        {"alibi", "windowed"},
+        {"capped", "alibi"},
+        {"windowed"},
+        {"functions", "alibi"},
+        {"masks", "capped"},
+    ):
         assert configs.score_tables(frozenset(other)) == configs.ScoreTables.MODIFIED
 
 
@@ -778,6 +791,7 @@ def test_op_backward_not_compiled_ahead_without_memory_for_stand_ins(monkeypatch
 # ---- forward with a fixed row max -------------------------------------------------------------
 
 MIN_FIXED_MAX = dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
+BOUNDED_CAP = dispatch.BOUNDED_SOFTCAP_MAX
 
 
 @pytest.mark.parametrize(
@@ -795,7 +809,16 @@ MIN_FIXED_MAX = dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
         (64, 2 * MIN_FIXED_MAX[64] - 2, 2 * MIN_FIXED_MAX[64] - 2, True, torch.bfloat16, None, False),
         (64, 2 * MIN_FIXED_MAX[64] - 1, 2 * MIN_FIXED_MAX[64] - 1, True, torch.bfloat16, None, True),
         (128, 8, MIN_FIXED_MAX[128], False, torch.float32, None, False),  # fp32 keeps the running max
-        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(softcap=30.0), False),  # modified scores
+        # Softcap alone in bf16: its cap is the fixed max at any length, causal or not, up to
+        # dispatch.BOUNDED_SOFTCAP_MAX; fp16 P would underflow, a larger cap (Gemma 2's 50) might.
+        (128, 8, 8, False, torch.bfloat16, ScoreMods(softcap=30.0), True),
+        (64, 300, 170, True, torch.bfloat16, ScoreMods(softcap=BOUNDED_CAP), True),
+        (128, 8, 8, False, torch.bfloat16, ScoreMods(softcap=math.nextafter(BOUNDED_CAP, math.inf)), False),
+        (128, 8, 8, False, torch.bfloat16, ScoreMods(softcap=50.0), False),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.float16, ScoreMods(softcap=30.0), False),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.float32, ScoreMods(softcap=30.0), False),
+        (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(softcap=30.0, window=(64, 0)), False),
+        (256, 8, 8, False, torch.bfloat16, ScoreMods(softcap=30.0), False),  # no table
         # Causal ALiBi alone: its fixed max comes from the diagonal's tiles; not without a causal mask.
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(alibi=True), True),
         (64, 8, MIN_FIXED_MAX[64] + 4, True, torch.float16, ScoreMods(alibi=True), True),

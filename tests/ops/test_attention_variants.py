@@ -294,6 +294,71 @@ def test_op_attention_alibi_fixed_max_recomputes_after_overflow(head_dim, config
     assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
 
 
+# Softcap alone with bf16 inputs takes its cap as every row's fixed max (dispatch.bounded_softcap)
+# at any length, causal or not: odd lengths, query groups, Sq > Sk (rows that see no key), the
+# largest cap it takes, sinks.
+SOFTCAP_BOUNDED_CASES = {
+    "full-odd-d64": (Case("odd-d64", 2, 3, 3, 77, 150, 64), False, {"softcap": 30.0}),
+    "causal-sq-gt-sk-gqa": (Case("sq-gt-sk-d128", 2, 4, 2, 300, 170, 128), True, {"softcap": 5.0}),
+    "causal-sq-lt-sk-d96": (
+        Case("sq-lt-sk-d96", 1, 2, 2, 333, 640, 96),
+        True,
+        {"softcap": dispatch.BOUNDED_SOFTCAP_MAX},
+    ),
+    "causal-sinks-d80": (Case("sinks-d80", 1, 3, 1, 129, 129, 80), True, {"softcap": 2.0, "sinks": "random"}),
+}
+SOFTCAP_BOUNDED_CONFIGS = [
+    pytest.param(head_dim, config, id=f"d{head_dim}-{config.block_m}x{config.block_n}")
+    for head_dim in dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
+    for config in configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", head_dim, 2, configs.ScoreTables.SOFTCAP)
+]
+
+
+def _softcap_bounded_kwargs(case: Case, kwargs: dict) -> dict:
+    if kwargs.get("sinks") == "random":
+        return {**kwargs, "sinks": torch.randn(case.q_heads, device="cuda", dtype=torch.float32)}
+    return kwargs
+
+
+@pytest.mark.parametrize("name", list(SOFTCAP_BOUNDED_CASES))
+def test_op_attention_softcap_bounded_max_forward(name, force_config):
+    case, causal, kwargs = SOFTCAP_BOUNDED_CASES[name]
+    kwargs = _softcap_bounded_kwargs(case, kwargs)
+    config = configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", case.head_dim, 2, configs.ScoreTables.SOFTCAP)[
+        0
+    ]
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    q, k, v = make_inputs(case, torch.bfloat16)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
+    assert dispatch.fixed_max_forward(problem, launch._Launcher(problem, q.device).candidates)
+    check_variant(case, torch.bfloat16, causal, kwargs)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("head_dim", "config"), SOFTCAP_BOUNDED_CONFIGS)
+def test_op_attention_softcap_bounded_max_far_below_the_cap(head_dim, config, causal, force_config):
+    """Every score near -cap at the largest cap the bound takes: probabilities near 2^-100
+    against the fixed max, which the output and the LSE must not lose."""
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    case = Case("far-below-cap", 1, 2, 2, 2 * config.block_m + 5, 3 * config.block_n + 7, head_dim)
+    cap = dispatch.BOUNDED_SOFTCAP_MAX
+    q, k, v = make_inputs(case, torch.bfloat16)
+    q = (q + 3).to(torch.bfloat16)
+    k = (-3 - k).to(torch.bfloat16)  # q.k near -9 D: scores near -cap, spread by the inputs
+    problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, causal, softcap=cap)
+    assert dispatch.fixed_max_forward(problem, launch._Launcher(problem, q.device).candidates)
+    ref_out, ref_lse = attention_reference(q.double(), k.double(), v.double(), is_causal=causal, softcap=cap)
+    base_out, _ = attention_reference(q, k, v, is_causal=causal, softcap=cap, compute_dtype=torch.bfloat16)
+    assert ref_lse.max().item() < -cap / 2, "the scores must sit near -cap"
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:3], math.nan, device=q.device, dtype=torch.float32)
+    launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse, mod_tensors=mod_tensors)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
+
+
 def test_op_attention_variant_public_api():
     """Every public function takes the modifiers, and autograd hands dBias to the bias."""
     case = Case("api", 2, 4, 2, 70, 90, 64)

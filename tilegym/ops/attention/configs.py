@@ -180,6 +180,13 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
 _SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED | {
     128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
 }
+# Softcap alone: at D=128 its running-max forward (fp16 inputs, or a cap above
+# dispatch.BOUNDED_SOFTCAP_MAX) also tries plain attention's CTA clusters, 5-10% faster from 4096
+# keys and 14% slower causal at 1024 (perf-notes#softcap-bounded-max); the tuner picks. The
+# forward with the cap as its fixed max keeps plain attention's fixed-max table (one CTA).
+_SM90_FORWARD_SOFTCAP = _SM90_FORWARD_MODIFIED | {
+    128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
+}
 # Causal ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward): plain
 # attention's 128x128 at D=128; at D=64 that spills (2 local stores, causal) and 128x64 does not.
 _SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_worker_warps=8)]}
@@ -330,6 +337,7 @@ class ScoreTables(Enum):
     ALIBI = "alibi"  # ALIBI_TABLES where they name the kernel, else as MODIFIED
     MASKS = "masks"  # MASK_TABLES where they name the kernel, else as MODIFIED
     FUNCTIONS = "functions"  # FUNCTION_TABLES where they name the kernel, else as MODIFIED
+    SOFTCAP = "softcap"  # SOFTCAP_TABLES where they name the kernel, else as MODIFIED
     MODIFIED = "modified"  # MODIFIED_TABLES where they name the kernel, else TABLES; single CTAs
 
 
@@ -339,12 +347,14 @@ _OWN_TABLES = {
     frozenset({"masks"}): ScoreTables.MASKS,
     frozenset({"functions"}): ScoreTables.FUNCTIONS,
     frozenset({"functions", "masks"}): ScoreTables.FUNCTIONS,
+    frozenset({"capped"}): ScoreTables.SOFTCAP,
 }
 
 
 def score_tables(switches: frozenset) -> ScoreTables:
     """The tables for a call's score switches (score_mods.ScoreMods.switches): ALiBi alone, a
-    mask function alone and a score function (with or without a mask) have their own."""
+    mask function alone, a score function (with or without a mask) and softcap alone have their
+    own."""
     if not switches:
         return ScoreTables.PLAIN
     return _OWN_TABLES.get(switches, ScoreTables.MODIFIED)
@@ -380,11 +390,16 @@ FUNCTION_TABLES = {
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_FUNCTIONS,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS,
 }
+SOFTCAP_TABLES = {
+    ("sm_90", FORWARD): _SM90_FORWARD_SOFTCAP,
+    ("sm_90", FORWARD_LSE): _SM90_FORWARD_SOFTCAP,
+}
 SCORE_TABLES = {
     ScoreTables.MODIFIED: MODIFIED_TABLES,
     ScoreTables.ALIBI: ALIBI_TABLES,
     ScoreTables.MASKS: MASK_TABLES,
     ScoreTables.FUNCTIONS: FUNCTION_TABLES,
+    ScoreTables.SOFTCAP: SOFTCAP_TABLES,
 }
 
 
@@ -401,9 +416,10 @@ def candidates(
     score switches pick (score_tables); value_dim: V's head dim where it differs from head_dim
     (the tables of the wider, unless PAIR_TABLES hold the pair).
 
-    With score modifiers no config runs on CTA clusters outside the tables of ALiBi alone or a mask
-    alone (measured there on sm_90): the two-CTA forward faulted on a misaligned address with a
-    one-row bias on Hopper (perf-notes#forward-cta-clusters). Cached: every launch asks.
+    With score modifiers no config runs on CTA clusters outside the tables of ALiBi, a mask or
+    softcap alone, or a score function (measured there on sm_90): the two-CTA forward faulted on
+    a misaligned address with a one-row bias on Hopper (perf-notes#forward-cta-clusters).
+    Cached: every launch asks.
     """
     value_dim = head_dim if value_dim is None else value_dim
     pair = PAIR_TABLES.get(arch, {}).get((head_dim, value_dim), {})

@@ -2,6 +2,8 @@
 in the forward. Each threshold sits beside the measurement that set it (perf-notes); a variant
 without a config table on the GPU's arch is never chosen."""
 
+import math
+
 import torch
 
 from tilegym import env
@@ -43,6 +45,12 @@ FUSED_SCORES_HEAD_DIM_TILES = (128,)
 # (half of a square causal length), from 2048 at D=128 and 4096 at D=64; below, it was up to 10%
 # and 18% slower. Keyed by head-dim tile.
 FIXED_MAX_FORWARD_MIN_MEAN_KEYS = {64: 4096, 128: 2048}
+
+# Softcap alone bounds every score by the cap, which the forward then takes as each row's fixed
+# max from the first step (kernels/forward.py, _key_loops): probabilities fall to 2^(-2 cap
+# log2 e) at worst. Capped at 2^-100 they stay normal in fp32 and in bf16 P, with 26 bits of
+# fp32's range left for P V's products; fp16 P would end at 2^-24, so 16-bit means bf16 only.
+BOUNDED_SOFTCAP_MAX = 100 / (2 * math.log2(math.e))
 
 _BACKWARD_CHOICES = ("auto", "fused", "two-kernel")
 
@@ -110,19 +118,30 @@ def split_dkdv(problem: AttentionProblem, candidates) -> bool:
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
     plain attention (sinks allowed), or causal ALiBi or a causal score function alone, with
-    enough keys per query for it to win, where the arch has a table for it (16-bit inputs; fp32
-    and fp64 keep the running max).
+    enough keys per query for it to win, or softcap alone where bounded_softcap says, where the
+    arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
     Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
     the running-max one is ordinary."""
     # The variant's switches say which calls it takes; its ALiBi and score functions need the
     # causal diagonal to start from.
     switches = problem.mods.switches
-    if not VARIANTS[FORWARD_FIXED_MAX].takes_switches(switches) or (switches and not problem.causal):
+    if not VARIANTS[FORWARD_FIXED_MAX].takes_switches(switches):
         return False
     if problem.wide_index or not candidates(FORWARD_FIXED_MAX):
         return False
+    if "capped" in switches:
+        # No overflow check to pay for: any length, causal or not.
+        return bounded_softcap(problem)
+    if switches and not problem.causal:
+        return False
     min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.tuning_head_dim)]
     return mean_keys_per_query(problem) >= min_keys
+
+
+def bounded_softcap(problem: AttentionProblem) -> bool:
+    """Whether softcap's cap can be the forward's fixed row max: bf16 inputs and a cap of at most
+    BOUNDED_SOFTCAP_MAX (Gemma 2's 50 keeps the running max)."""
+    return problem.dtype == torch.bfloat16 and problem.mods.softcap <= BOUNDED_SOFTCAP_MAX
 
 
 def mean_keys_per_query(problem: AttentionProblem) -> float:

@@ -60,8 +60,9 @@ WINDOW_ALIBI_MASKS_OR_SOFTCAP = (*WINDOW_ALIBI_OR_MASKS, frozenset({"capped"}))
 FUSED_MODIFIERS = (*WINDOW_ALIBI_MASKS_OR_SOFTCAP, frozenset({"functions"}))
 # The fixed-max forward: plain scores, or ALiBi alone, whose scores fall with distance from the
 # diagonal it starts from (kernels/forward.py, _key_loops), or a score function alone, which
-# starts there too (perf-notes#function-fixed-max).
-PLAIN_ALIBI_OR_FUNCTIONS = (frozenset({"alibi"}), frozenset({"functions"}))
+# starts there too (perf-notes#function-fixed-max), or softcap alone, whose cap bounds every
+# score (perf-notes#softcap-bounded-max).
+FIXED_MAX_SCORES = (frozenset({"alibi"}), frozenset({"functions"}), frozenset({"capped"}))
 
 
 def _variant(name, kernel_name, grid, about, modifiers=ANY_SCORES, default=True, **fixed) -> Variant:
@@ -116,7 +117,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "inference forward, a fixed row max per query tile",
-                modifiers=PLAIN_ALIBI_OR_FUNCTIONS,
+                modifiers=FIXED_MAX_SCORES,
                 default=False,
                 write_lse=False,
                 fixed_max=True,
@@ -126,7 +127,7 @@ VARIANTS: MappingProxyType = MappingProxyType(
                 _FORWARD_KERNEL,
                 _QUERY_TILES,
                 "training forward, a fixed row max per query tile",
-                modifiers=PLAIN_ALIBI_OR_FUNCTIONS,
+                modifiers=FIXED_MAX_SCORES,
                 default=False,
                 write_lse=True,
                 fixed_max=True,

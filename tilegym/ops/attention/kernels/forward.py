@@ -131,15 +131,15 @@ def _first_step_fixed_max(first, state, tile):
 
 
 @ct.function
-def _loop_fixed_max(first, last, state, tile):
-    """Unmasked steps of plain attention (ALiBi or a score function alone) against a fixed row
-    max: no running max, no rescale.
+def _loop_fixed_max(first, last, state, tile, masked: ConstBool):
+    """Steps of plain attention (ALiBi, a score function or softcap alone) against a fixed row
+    max: no running max, no rescale. masked: the steps hide what the tile's rows do not see.
 
     state's row max (in the units the forward keeps, keeps_scaled_scores) is that of the first
-    key tiles visited. Later scores may exceed it, so probabilities may exceed 1; fp32 sums and P hold
-    them with the same relative precision until something overflows (bf16 P shares fp32's
-    range, fp16 P ends at 65504, 2^16 above the first tile's max), which _overflowed tells after
-    the loops.
+    key tiles visited, or softcap's bound. Later scores may exceed the former, so probabilities
+    may exceed 1; fp32 sums and P hold them with the same relative precision until something
+    overflows (bf16 P shares fp32's range, fp16 P ends at 65504, 2^16 above the first tile's
+    max), which _overflowed tells after the loops.
     """
     scoring = tile.scoring
     tiling = scoring.tiling
@@ -151,13 +151,15 @@ def _loop_fixed_max(first, last, state, tile):
     for kv_tile in range(first, last):
         k = load_head(tile.K, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.qk)
         raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
+        cols = key_columns(kv_tile, tiling.block_n, masked, scoring.switches)
         if raw_units:
             raw = raw_scores(raw, tile.q_tile, kv_tile, scoring, tile.q.main.dtype)
             probs = exp2(raw * to_log2 - max_log2)
         else:
-            cols = key_columns(kv_tile, tiling.block_n, False, scoring.switches)
             step_scores, _, _ = scores(raw, tile.rows, cols, tile.q_tile, kv_tile, tile.q.main.dtype, scoring, False)
             probs = exp2(scores_log2(step_scores, scoring) - max_log2)
+        if masked:
+            probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
         v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
         acc = head_product(probs.astype(v.main.dtype), v, acc, tiling.value)
@@ -182,9 +184,17 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
     (plain attention, fp32 accumulators, no window) the unmasked steps after the first against
     its row max, or (causal ALiBi or a causal score function alone) the unmasked steps against
     the row max of the masked ones; should anything overflow, the tile is computed again with a
-    running max. The check costs every program a cross-warp reduction. A row that sees no key of the masked tiles keeps
-    max -inf, which overflows at its first unmasked step: that tile takes the running max."""
-    if fixed_max:
+    running max. The check costs every program a cross-warp reduction. A row that sees no key of
+    the masked tiles keeps max -inf, which overflows at its first unmasked step: that tile takes
+    the running max. Softcap alone needs no check: its fixed max is the cap."""
+    if fixed_max and tile.scoring.switches.capped:
+        # Softcap alone (bf16, dispatch.bounded_softcap): no score exceeds the cap, every row's
+        # fixed max from the first step. Nothing can overflow, so nothing is checked, and a row
+        # whose scores all sit near -cap keeps probabilities of at least 2^-100 (the dispatch's
+        # bound on the cap), normal in fp32 and bf16.
+        bound = ct.full((tile.scoring.tiling.block_m, 1), tile.scoring.mods.softcap_log2, state.row_sum.dtype)
+        state = over_segments(_loop_fixed_max, segments, ForwardState(bound, state.row_sum, state.acc), tile)
+    elif fixed_max:
         if tile.scoring.switches.alibi or score_modified(tile.scoring.switches):
             # ALiBi lowers scores with distance: the diagonal's tiles (masked, running max) hold
             # each row's largest, which then stays fixed for the rest, farther and lower. A
@@ -192,11 +202,11 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
             # position-dependent score is likeliest to peak, and any order is right, overflow
             # aside.
             fast = _forward_loop(segments.full_end, segments.end, state, tile, True)
-            fast = _loop_fixed_max(0, segments.full_end, fast, tile)
+            fast = _loop_fixed_max(0, segments.full_end, fast, tile, False)
         else:
             first = min(segments.full_end, 1)
             fast = _first_step_fixed_max(first, state, tile)
-            fast = _loop_fixed_max(first, segments.full_end, fast, tile)
+            fast = _loop_fixed_max(first, segments.full_end, fast, tile, False)
             fast = _forward_loop(segments.full_end, segments.end, fast, tile, True)
         if _overflowed(fast, tile.scoring.tiling.value):
             state = over_segments(_forward_loop, segments, state, tile)
