@@ -68,6 +68,18 @@ def test_op_value_dim_sq_gt_sk_and_modifiers(pair):
     check((1, 8, 2, 300, 120, *pair), torch.bfloat16, True, kwargs)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pair", [(128, 64), (64, 128), (96, 64), (80, 96)], ids=lambda p: f"qk{p[0]}-v{p[1]}")
+def test_op_value_dim_softcap_bounded_max(pair, causal):
+    """Softcap alone in bf16 takes its cap as the forward's fixed max (dispatch.bounded_softcap)."""
+    from tilegym.ops.attention import dispatch
+
+    shape = (1, 4, 2, 150, 333, *pair)
+    problem, _ = problem_mod.check_inputs(*_inputs(*shape, torch.bfloat16), None, causal, softcap=20.0)
+    assert dispatch.fixed_max_forward(problem, launch._Launcher(problem, torch.device("cuda")).candidates)
+    check(shape, torch.bfloat16, causal, {"softcap": 20.0})
+
+
 @pytest.mark.parametrize("pair", [(192, 128), (256, 128), (192, 192)], ids=lambda p: f"qk{p[0]}-v{p[1]}")
 def test_op_value_dim_pair_tables_with_sinks(pair):
     """Sinks alone keep plain scores, so the pairs' own tables (configs.PAIR_TABLES) run, GQA."""

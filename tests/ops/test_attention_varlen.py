@@ -440,6 +440,8 @@ MODIFIERS = {
     "window-causal": (True, lambda h, n: {"window_size": (32, 0)}),
     "window-both-sides": (False, lambda h, n: {"window_size": (20, 9)}),
     "softcap": (True, lambda h, n: {"softcap": 5.0}),
+    # bf16 and a cap under dispatch.BOUNDED_SOFTCAP_MAX: the cap is the forward's fixed max.
+    "softcap-full-sinks": (False, lambda h, n: {"softcap": 30.0, "sinks": _sinks(h)}),
     "alibi-per-head": (True, lambda h, n: {"alibi_slopes": _slopes(h)}),
     "alibi-per-sequence": (False, lambda h, n: {"alibi_slopes": _slopes(n, h)}),
     "sinks": (True, lambda h, n: {"sinks": _sinks(h)}),
