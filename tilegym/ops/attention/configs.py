@@ -172,21 +172,21 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
     # D=256 with modifiers keeps the configs measured before the plain table's 128x128.
     256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
 }
+# The modified forward's one CTA at D=128, then plain attention's CTA clusters, for the switch
+# sets below that measured the clusters faster somewhere; the tuner picks.
+_SM90_FORWARD_MODIFIED_OR_CLUSTERS = _SM90_FORWARD_MODIFIED | {
+    128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
+}
 # ALiBi alone: its forward keeps raw products as plain attention's does and adds two
-# instructions per score (perf-notes#alibi-positions). At D=128 it also tries plain attention's
-# CTA clusters (faster at causal 4096, 1-3% slower at 16384 and without a mask; they compile
-# without spilling with ALiBi); at D=64 the tuner chose one CTA over them, and at four CTAs per
-# SM the causal forward spills.
-_SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED | {
-    128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
-}
-# Softcap alone: at D=128 its running-max forward (fp16 inputs, or a cap above
-# dispatch.BOUNDED_SOFTCAP_MAX) also tries plain attention's CTA clusters, 5-10% faster from 4096
-# keys and 14% slower causal at 1024 (perf-notes#softcap-bounded-max); the tuner picks. The
-# forward with the cap as its fixed max keeps plain attention's fixed-max table (one CTA).
-_SM90_FORWARD_SOFTCAP = _SM90_FORWARD_MODIFIED | {
-    128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
-}
+# instructions per score (perf-notes#alibi-positions). The clusters were faster at causal 4096,
+# 1-3% slower at 16384 and without a mask (they compile without spilling with ALiBi); at D=64
+# the tuner chose one CTA over them, and at four CTAs per SM the causal forward spills.
+_SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED_OR_CLUSTERS
+# Softcap alone: its running-max forward (fp16 inputs, or a cap above
+# dispatch.BOUNDED_SOFTCAP_MAX) ran 5-10% faster on the clusters from 4096 keys and 14% slower
+# causal at 1024 (perf-notes#softcap-bounded-max). The forward with the cap as its fixed max keeps
+# plain attention's fixed-max table (one CTA).
+_SM90_FORWARD_SOFTCAP = _SM90_FORWARD_MODIFIED_OR_CLUSTERS
 # Causal ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward): plain
 # attention's 128x128 at D=128; at D=64 that spills (2 local stores, causal) and 128x64 does not.
 _SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_worker_warps=8)]}
