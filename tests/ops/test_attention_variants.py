@@ -356,7 +356,11 @@ def test_op_attention_softcap_bounded_max_far_below_the_cap(head_dim, config, ca
     launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse, mod_tensors=mod_tensors)
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
     assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
-    assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
+    # Causal with fewer keys than queries (block_n < block_m), the first rows see no key: LSE -inf.
+    sees_none = torch.isinf(ref_lse)
+    assert torch.equal(lse[sees_none], ref_lse[sees_none].float())
+    seen = ref_lse[~sees_none]
+    assert max_error(lse[~sees_none], seen) <= 1e-5 * (1 + seen.abs().max().item())
 
 
 def test_op_attention_variant_public_api():

@@ -488,6 +488,29 @@ def test_op_varlen_fixed_max_forward(name, force_config):
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
+def _fixed_max_packed_every_config():
+    """(head dim, tables, config, causal) for every fixed-max candidate the tuner may pick for a
+    packed batch: plain attention's (at D=64 from 4096 keys per query, so without a mask on this
+    batch) and softcap's (any length)."""
+    for tables in (configs.ScoreTables.PLAIN, configs.ScoreTables.SOFTCAP):
+        for head_dim in (64, 128):
+            for config in configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", head_dim, 2, tables):
+                for causal in (False, True):
+                    if not (causal and tables == configs.ScoreTables.PLAIN and head_dim == 64):
+                        tiles = f"{config.block_m}x{config.block_n}"
+                        name = f"d{head_dim}-{tables.value}-{tiles}-{'causal' if causal else 'full'}"
+                        yield pytest.param(head_dim, tables, config, causal, id=name)
+
+
+@pytest.mark.parametrize(("head_dim", "tables", "config", "causal"), list(_fixed_max_packed_every_config()))
+def test_op_varlen_fixed_max_forward_every_config(head_dim, tables, config, causal, force_config):
+    batch = pack([4300, 40, 0, 700], [4400, 33, 9, 700], 4, 2, head_dim)
+    kwargs = {"softcap": 20.0} if tables == configs.ScoreTables.SOFTCAP else {}
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    check(batch, causal, kwargs)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_op_varlen_sinks_head_dims(head_dim):
     batch = pack(MIXED_Q, MIXED_K, 4, 2, head_dim)

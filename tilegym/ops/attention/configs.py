@@ -150,7 +150,9 @@ _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
 # two warpgroups per SM (384 threads at 168 registers fill the register file; 64-row tiles at
 # two CTAs per SM lost 5-13%, perf-notes#four-variants-lost). At D=64, 256x64 tiles won without
 # a mask (perf-notes#d64-256x64-tiles) only while the 128x128 kernel waited for each matmul
-# alone; since perf-notes#d64-serialized-matmuls 128x128 wins everywhere.
+# alone; since perf-notes#d64-serialized-matmuls 128x128 wins everywhere. (Four 64x64 CTAs per
+# SM at D=64 read 5-7% faster without a mask at 16384 keys in one run, level causal, and no faster
+# in a benchmark run after it: not adopted, perf-notes#fixed-max-four-ctas.)
 _SM90_FORWARD_FIXED_MAX = {d: [_c(128, 128, num_worker_warps=8)] for d in (64, 128)}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
@@ -184,9 +186,16 @@ _SM90_FORWARD_MODIFIED_OR_CLUSTERS = _SM90_FORWARD_MODIFIED | {
 _SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED_OR_CLUSTERS
 # Softcap alone: its running-max forward (fp16 inputs, or a cap above
 # dispatch.BOUNDED_SOFTCAP_MAX) ran 5-10% faster on the clusters from 4096 keys and 14% slower
-# causal at 1024 (perf-notes#softcap-bounded-max). The forward with the cap as its fixed max keeps
-# plain attention's fixed-max table (one CTA).
+# causal at 1024 (perf-notes#softcap-bounded-max).
 _SM90_FORWARD_SOFTCAP = _SM90_FORWARD_MODIFIED_OR_CLUSTERS
+# With the cap as its fixed max, softcap's two special-function instructions per score run while
+# other CTAs' matmuls do: at D=64 four 64x64 CTAs per SM took 7-33% less forward time than one
+# 128x128 CTA in every cell; at D=128 two 128x64 CTAs of one warpgroup each 3-14% less up to 4096
+# keys and without a mask, 6% more causal at 16384 (perf-notes#fixed-max-four-ctas); the tuner picks.
+_SM90_FORWARD_FIXED_MAX_SOFTCAP = {
+    64: [_c(64, 64, occupancy=4)],
+    128: [_c(128, 128, num_worker_warps=8), _c(128, 64, occupancy=2)],
+}
 # Causal ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward): plain
 # attention's 128x128 at D=128; at D=64 that spills (2 local stores, causal) and 128x64 does not.
 _SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_worker_warps=8)]}
@@ -393,6 +402,8 @@ FUNCTION_TABLES = {
 SOFTCAP_TABLES = {
     ("sm_90", FORWARD): _SM90_FORWARD_SOFTCAP,
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_SOFTCAP,
+    ("sm_90", FORWARD_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_SOFTCAP,
+    ("sm_90", FORWARD_LSE_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_SOFTCAP,
 }
 SCORE_TABLES = {
     ScoreTables.MODIFIED: MODIFIED_TABLES,
