@@ -164,13 +164,16 @@ def test_op_attention_fused_backward(name, head_dim, monkeypatch):
     check_variant(case, torch.bfloat16, causal, build(case, torch.bfloat16))
 
 
-# Softcap alone takes the fused backward dense and ungrouped on the D=128 table (96 runs there as
-# 64 + 32; dispatch.FUSED_SCORES_HEAD_DIM_TILES): forced, causal and not, Sq != Sk, caps that
-# bend most scores (2) and few (30).
+# Softcap alone takes the fused backward dense and ungrouped on its D=64 and D=128 tables (96 runs
+# on the 128 table as 64 + 32; dispatch.FUSED_SOFTCAP_HEAD_DIM_TILES): forced, causal and not,
+# Sq != Sk, caps that bend most scores (2) and few (30).
 SOFTCAP_FUSED_CASES = {
     "full-odd": (Case("odd-d128", 2, 3, 3, 77, 77, 128), False, 2.0),
     "causal-sq-gt-sk-d96": (Case("sq-gt-sk-d96", 2, 4, 4, 300, 170, 96), True, 5.0),
     "causal-sq-lt-sk": (Case("sq-lt-sk-d128", 1, 2, 2, 333, 640, 128), True, 30.0),
+    "full-odd-gqa-d64": (Case("odd-gqa-d64", 2, 4, 2, 77, 150, 64), False, 2.0),
+    "causal-sq-gt-sk-d64": (Case("sq-gt-sk-d64", 2, 4, 4, 300, 170, 64), True, 30.0),
+    "causal-sq-lt-sk-d64": (Case("sq-lt-sk-d64", 1, 2, 2, 333, 640, 64), True, 5.0),
 }
 
 
@@ -179,7 +182,7 @@ SOFTCAP_FUSED_CASES = {
 def test_op_attention_fused_backward_softcap(name, dtype, monkeypatch, force_config):
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
     case, causal, cap = SOFTCAP_FUSED_CASES[name]
-    config = configs.candidates(configs.BACKWARD_FUSED, "sm_90", 128, 2, configs.ScoreTables.MODIFIED)[0]
+    config = configs.candidates(configs.BACKWARD_FUSED, "sm_90", case.head_dim, 2, configs.ScoreTables.SOFTCAP)[0]
     force_config(configs.BACKWARD_FUSED, config)
     check_variant(case, dtype, causal, {"softcap": cap})
     assert ran_with(configs.BACKWARD_FUSED, config)

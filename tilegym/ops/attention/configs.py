@@ -207,6 +207,9 @@ _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_
 # none inside them) and its backward ran 5-16% faster than two kernels, 64x64 40% slower
 # (perf-notes#alibi-fused-d128); its grouped form takes plain attention's table as it is.
 _SM90_FUSED_ALIBI = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
+# Softcap's fused backward at D=64 on 64x128 tiles: 128x128 keeps 548 values in local memory
+# inside its loops there.
+_SM90_FUSED_SOFTCAP = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
 # plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
 # 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
@@ -404,6 +407,7 @@ SOFTCAP_TABLES = {
     ("sm_90", FORWARD_LSE): _SM90_FORWARD_SOFTCAP,
     ("sm_90", FORWARD_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_SOFTCAP,
     ("sm_90", FORWARD_LSE_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_SOFTCAP,
+    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SOFTCAP,
 }
 SCORE_TABLES = {
     ScoreTables.MODIFIED: MODIFIED_TABLES,

@@ -35,9 +35,11 @@ FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
 # Softcap alone, and a score function alone declared elementwise (score_functions.elementwise)
 # without an aux gradient, take the fused backward where they were measured, forced or not:
-# dense, at these head-dim tiles (softcap bwd -20 to -23%, perf-notes#fused-backward-softcap;
-# ALiBi and softcap as functions -11 to -30%, perf-notes#elementwise-functions-fused).
-FUSED_SCORES_HEAD_DIM_TILES = (128,)
+# dense, at these head-dim tiles (softcap bwd -20 to -23% at D=128,
+# perf-notes#fused-backward-softcap, and -15 to -18% at D=64, perf-notes#fixed-max-four-ctas;
+# ALiBi and softcap as functions -11 to -30% at D=128, perf-notes#elementwise-functions-fused).
+FUSED_SOFTCAP_HEAD_DIM_TILES = (64, 128)
+FUSED_FUNCTIONS_HEAD_DIM_TILES = (128,)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -73,8 +75,9 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     FUSED_PACKED_FULL_HEAD_DIM_TILES); ALiBi alone as plain attention (D=128: bwd 5-22% faster
     than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
     declared elementwise without an aux gradient, only dense at a head dim in
-    FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form. Causal grouped-query attention takes
-    the grouped form: a program per query head (perf-notes#gqa-program-per-head).
+    FUSED_SOFTCAP_HEAD_DIM_TILES or FUSED_FUNCTIONS_HEAD_DIM_TILES, and not in the grouped form.
+    Causal grouped-query attention takes the grouped form: a program per query head
+    (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
@@ -84,8 +87,10 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     if not VARIANTS[name].takes_switches(problem.mods.switches) or bias_grad or not candidates(name):
         return None
     tile = configs.head_dim_tile(problem.tuning_head_dim)
-    if not problem.mods.switches.isdisjoint({"capped", "functions"}):
-        if tile not in FUSED_SCORES_HEAD_DIM_TILES or problem.packing is not None:
+    switches = problem.mods.switches
+    if not switches.isdisjoint({"capped", "functions"}):
+        tiles = FUSED_FUNCTIONS_HEAD_DIM_TILES if "functions" in switches else FUSED_SOFTCAP_HEAD_DIM_TILES
+        if tile not in tiles or problem.packing is not None:
             return None
     user = problem.mods.user
     if "functions" in problem.mods.switches and not (user.elementwise and user.aux_grad is None):
