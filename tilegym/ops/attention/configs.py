@@ -372,19 +372,24 @@ def score_tables(switches: frozenset) -> ScoreTables:
     return _OWN_TABLES.get(switches, ScoreTables.MODIFIED)
 
 
+def _sm90_forwards(forward: dict, fixed_max: dict | None = None) -> dict:
+    """A score family's sm_90 forward entries: the inference and training forwards share one
+    table, and so do their fixed-max variants."""
+    entries = {("sm_90", FORWARD): forward, ("sm_90", FORWARD_LSE): forward}
+    if fixed_max is not None:
+        entries |= {("sm_90", FORWARD_FIXED_MAX): fixed_max, ("sm_90", FORWARD_LSE_FIXED_MAX): fixed_max}
+    return entries
+
+
 # Tables that replace TABLES[arch][kernel] when any score modifier is on.
 MODIFIED_TABLES = {
-    ("sm_90", FORWARD): _SM90_FORWARD_MODIFIED,
-    ("sm_90", FORWARD_LSE): _SM90_FORWARD_MODIFIED,
+    **_sm90_forwards(_SM90_FORWARD_MODIFIED),
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_MODIFIED,
     ("sm_90", BACKWARD_DQ): _SM90_DQ_MODIFIED,
 }
 # Tables that replace those for calls with ALiBi alone, a mask function alone, a score function.
 ALIBI_TABLES = {
-    ("sm_90", FORWARD): _SM90_FORWARD_ALIBI,
-    ("sm_90", FORWARD_LSE): _SM90_FORWARD_ALIBI,
-    ("sm_90", FORWARD_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_ALIBI,
-    ("sm_90", FORWARD_LSE_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_ALIBI,
+    **_sm90_forwards(_SM90_FORWARD_ALIBI, _SM90_FORWARD_FIXED_MAX_ALIBI),
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,
 }
@@ -393,20 +398,15 @@ ALIBI_TABLES = {
 # not) and still ran 11% faster than two kernels at 16384 keys; 64x64 tiles, clean, were 15-45%
 # slower (perf-notes#fused-backward-masks).
 MASK_TABLES = {
-    ("sm_90", FORWARD): _SM90_FORWARD_MASKED,
-    ("sm_90", FORWARD_LSE): _SM90_FORWARD_MASKED,
+    **_sm90_forwards(_SM90_FORWARD_MASKED),
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
 }
 FUNCTION_TABLES = {
-    ("sm_90", FORWARD): _SM90_FORWARD_FUNCTIONS,
-    ("sm_90", FORWARD_LSE): _SM90_FORWARD_FUNCTIONS,
+    **_sm90_forwards(_SM90_FORWARD_FUNCTIONS),
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS,
 }
 SOFTCAP_TABLES = {
-    ("sm_90", FORWARD): _SM90_FORWARD_SOFTCAP,
-    ("sm_90", FORWARD_LSE): _SM90_FORWARD_SOFTCAP,
-    ("sm_90", FORWARD_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_SOFTCAP,
-    ("sm_90", FORWARD_LSE_FIXED_MAX): _SM90_FORWARD_FIXED_MAX_SOFTCAP,
+    **_sm90_forwards(_SM90_FORWARD_SOFTCAP, _SM90_FORWARD_FIXED_MAX_SOFTCAP),
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SOFTCAP,
 }
 SCORE_TABLES = {

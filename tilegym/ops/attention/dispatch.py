@@ -93,7 +93,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         if tile not in tiles or problem.packing is not None:
             return None
     user = problem.mods.user
-    if "functions" in problem.mods.switches and not (user.elementwise and user.aux_grad is None):
+    if "functions" in switches and not (user.elementwise and user.aux_grad is None):
         return None
     if problem.value_dim > problem.head_dim:
         # A V wider than Q adds dV accumulators the fused tables were not sized for: Dqk=64 with
