@@ -185,9 +185,9 @@ def _score_tables(switches: dict) -> configs.ScoreTables:
 
 def _runs_with(name, switches, head_dim) -> bool:
     """Whether dispatch runs a variant with these switches at this head dim: softcap takes the
-    fused backward only at dispatch.FUSED_SOFTCAP_HEAD_DIM_TILES, forced or not."""
+    fused backward only at dispatch.FUSED_SCORES_HEAD_DIM_TILES, forced or not."""
     softcap_fused = switches.get("capped") and VARIANTS[name].fixed.get("sum_dq")
-    return not softcap_fused or configs.head_dim_tile(head_dim) in dispatch.FUSED_SOFTCAP_HEAD_DIM_TILES
+    return not softcap_fused or configs.head_dim_tile(head_dim) in dispatch.FUSED_SCORES_HEAD_DIM_TILES
 
 
 def _compile_modified():

@@ -608,7 +608,7 @@ _LEARNED_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"],
         (ScoreMods(window=(64, 0), sinks=True), 96, True),
         (ScoreMods(window=(64, 0)), 64, False),  # lost at D=64 (FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
         (ScoreMods(softcap=2.0), 128, True),  # spills inside its loops, measured faster all the same
-        (ScoreMods(softcap=2.0), 64, True),  # FUSED_SOFTCAP_HEAD_DIM_TILES, on 64x128 tiles
+        (ScoreMods(softcap=2.0), 64, True),  # FUSED_SCORES_HEAD_DIM_TILES, on 64x128 tiles
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
         (ScoreMods(alibi=True), 64, True),  # on tables of its own (configs.ALIBI_TABLES)
         (ScoreMods(alibi=True), 128, True),
@@ -618,7 +618,7 @@ _LEARNED_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"],
         (_SCORE_AND_MASK, 128, False),  # a score function with a mask is not in Variant.modifiers
         (_SOFTCAP_FUNCTION, 128, True),  # declared elementwise (score_functions.elementwise)
         (_ALIBI_FUNCTION, 96, True),
-        (_ALIBI_FUNCTION, 64, False),  # FUSED_FUNCTIONS_HEAD_DIM_TILES
+        (_ALIBI_FUNCTION, 64, True),  # FUSED_SCORES_HEAD_DIM_TILES, on 64x128 tiles
         (_UNDECLARED, 128, False),  # compile time and speed unknown: two kernels
         (_FROZEN_TABLE, 128, False),  # a table read per score: slower fused, so not declared
         (_LEARNED_TABLE, 128, False),

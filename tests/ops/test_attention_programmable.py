@@ -247,13 +247,16 @@ def test_op_attention_masks_fused_backward(name, monkeypatch, force_config):
 
 
 # A score function declared elementwise (ALiBi, softcap) alone takes the fused backward at
-# D=80-128, dense, ungrouped: forced here on rows shorter than "auto" fuses from; causal and not,
-# Sq != Sk, GQA without a causal mask, fp16.
+# D=33-128 (64x128 tiles at D=64), dense, ungrouped: forced here on rows shorter than "auto" fuses
+# from; causal and not, Sq != Sk, GQA without a causal mask, fp16.
 FUSED_FUNCTION_CASES = {
     "alibi-causal-d128": (Case("alibi-d128", 2, 4, 4, 300, 300, 128), True, _alibi, torch.bfloat16),
     "alibi-sq-gt-sk-d96": (Case("alibi-d96", 2, 4, 2, 333, 200, 96), False, _alibi, torch.bfloat16),
     "softcap-gqa-d128": (Case("softcap-gqa", 2, 8, 2, 257, 257, 128), False, _softcap, torch.bfloat16),
     "softcap-causal-sq-lt-sk": (Case("softcap-d128", 2, 4, 4, 150, 300, 128), True, _softcap, torch.float16),
+    "alibi-causal-sq-gt-sk-d64": (Case("alibi-d64", 2, 4, 4, 301, 170, 64), True, _alibi, torch.bfloat16),
+    "softcap-gqa-odd-d64": (Case("softcap-gqa-d64", 2, 4, 2, 77, 150, 64), False, _softcap, torch.bfloat16),
+    "softcap-causal-sq-lt-sk-d64": (Case("softcap-d64", 1, 2, 2, 333, 640, 64), True, _softcap, torch.float16),
 }
 
 
@@ -323,6 +326,30 @@ def test_op_attention_function_fixed_max_forward(name, force_config):
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
 
 
+# At D=64 a score function's fixed-max forward runs on one CTA or four 64x64 CTAs per SM, as the
+# tuner picks (4096 keys per query on average before it is taken): each forced, Sq < Sk, GQA, and
+# keys that overflow the diagonal's row max (the recompute).
+_LONG_D64 = 2 * dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] + 3
+FIXED_MAX_FUNCTION_D64_CASES = {
+    "alibi-300-queries": (Case("fixed-max-alibi-300-d64", 1, 2, 2, 300, _LONG_D64 // 2 + 153, 64), _alibi),
+    "softcap-gqa": (Case("fixed-max-softcap-d64", 1, 4, 2, _LONG_D64, _LONG_D64, 64), _softcap),
+    "overflow": (Case("fixed-max-overflow-d64", 1, 2, 1, _LONG_D64, _LONG_D64, 64), _far_keys),
+}
+
+
+@pytest.mark.parametrize(
+    "config",
+    configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", 64, 2, configs.ScoreTables.FUNCTIONS),
+    ids=lambda c: f"{c.block_m}x{c.block_n}-occ{c.occupancy or 1}",
+)
+@pytest.mark.parametrize("name", list(FIXED_MAX_FUNCTION_D64_CASES))
+def test_op_attention_function_fixed_max_forward_d64(name, config, force_config):
+    case, build = FIXED_MAX_FUNCTION_D64_CASES[name]
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    check_case(case, torch.bfloat16, True, build)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+
+
 def test_op_attention_function_fixed_max_forward_recomputes_after_overflow(force_config):
     """Keys scored far above the diagonal's row max overflow the fixed-max forward's
     probabilities: each query tile is computed again with a running max. The rows, 4099, leave
@@ -355,20 +382,26 @@ def test_op_attention_far_keys_backward(name, monkeypatch, force_config):
         assert ran_with(configs.BACKWARD_FUSED, config)
 
 
-# A score function's training forward (with the LSE) at D=128 has the same candidates as its
-# inference forward: each forced, with the backward after it.
-TRAINING_FORWARD_FUNCTION_CONFIGS = configs.candidates(
-    configs.FORWARD_LSE, "sm_90", 128, 2, configs.ScoreTables.FUNCTIONS
-)
+# A score function's training forward (with the LSE) at D=64 and 128 (the same candidates as its
+# inference forward): each forced, with the backward after it.
+TRAINING_FORWARD_FUNCTION_CONFIGS = [
+    (head_dim, config)
+    for head_dim in (64, 128)
+    for config in configs.candidates(configs.FORWARD_LSE, "sm_90", head_dim, 2, configs.ScoreTables.FUNCTIONS)
+]
 
 
 @pytest.mark.parametrize(
-    "config", TRAINING_FORWARD_FUNCTION_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}-ctas{c.num_ctas or 1}"
+    "head_dim, config",
+    TRAINING_FORWARD_FUNCTION_CONFIGS,
+    ids=lambda c: (
+        f"{c.block_m}x{c.block_n}-ctas{c.num_ctas or 1}-occ{c.occupancy or 1}" if hasattr(c, "block_m") else f"d{c}"
+    ),
 )
 @pytest.mark.parametrize("name", ["alibi-sq-gt-sk", "softcap-gqa-causal", "relative-in-documents-causal"])
-def test_op_attention_programmable_training_forward_configs(name, config, force_config):
+def test_op_attention_programmable_training_forward_configs(name, head_dim, config, force_config):
     case, causal, build = CASES[name]
-    case = dataclasses.replace(case, why=f"{case.why}-d128", head_dim=128)
+    case = dataclasses.replace(case, why=f"{case.why}-d{head_dim}", head_dim=head_dim)
     force_config(configs.FORWARD_LSE, config)
     check_case(case, torch.bfloat16, causal, build)
     assert ran_with(configs.FORWARD_LSE, config)

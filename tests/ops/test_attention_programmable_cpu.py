@@ -22,6 +22,7 @@ from tilegym.ops.attention.variants import (
     BACKWARD_FUSED_GROUPED,
     FORWARD,
     FORWARD_LSE,
+    FORWARD_LSE_FIXED_MAX,
     VARIANTS,
 )
 
@@ -270,10 +271,16 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     if tables == configs.ScoreTables.FUNCTIONS:
         launches += [(FORWARD, 128), (FORWARD_LSE, 128)]
     if functions.elementwise and functions.aux_grad is None and functions.mask_mod is None:
-        launches.append((BACKWARD_FUSED, 128))
+        launches += [(BACKWARD_FUSED, 64), (BACKWARD_FUSED, 128)]
+    launches = [(variant, head_dim, configs.candidates(variant, "sm_90", head_dim, 2, tables)[0])
+                for variant, head_dim in launches]  # fmt: skip
+    if tables == configs.ScoreTables.FUNCTIONS and not masks:
+        # D=64's forwards also run four 64x64 CTAs per SM (one warpgroup each), running max and
+        # fixed max: the special-function work beside other CTAs' matmuls.
+        launches += [(variant, 64, config) for variant in (FORWARD_LSE, FORWARD_LSE_FIXED_MAX)
+                     for config in configs.candidates(variant, "sm_90", 64, 2, tables)[1:]]  # fmt: skip
     with tempfile.TemporaryDirectory() as workdir:
-        for variant, head_dim in launches:
-            config = configs.candidates(variant, "sm_90", head_dim, 2, tables)[0]
+        for variant, head_dim, config in launches:
             kernel = autotune.with_hints(programmable.user_kernel(VARIANTS[variant].kernel, functions), config)
             signature = sass.signature(
                 variant, ct.bfloat16, head_dim, config, True, {"block_sparse": masks}, arrays=arrays
@@ -294,6 +301,10 @@ def test_ready_made_functions_compile_into_every_kernel(name):
                 BACKWARD_FUSED_GROUPED,
             ):
                 assert sass.count_instructions(text, "STL") == 0, f"{name}: {variant} spills at D={head_dim}"
+            if functions.elementwise and head_dim == 64 and (variant == BACKWARD_FUSED or config.occupancy == 4):
+                assert sass.count_instructions(text, "LDL") + sass.count_instructions(text, "STL") == 0, (
+                    f"{name}: {variant} {config} spills at D=64"
+                )
             if (variant, head_dim) == (FORWARD, 128):
                 assert config.num_ctas == 2, "the first candidate is plain attention's clusters"
 

@@ -165,7 +165,7 @@ def test_op_attention_fused_backward(name, head_dim, monkeypatch):
 
 
 # Softcap alone takes the fused backward dense and ungrouped on its D=64 and D=128 tables (96 runs
-# on the 128 table as 64 + 32; dispatch.FUSED_SOFTCAP_HEAD_DIM_TILES): forced, causal and not,
+# on the 128 table as 64 + 32; dispatch.FUSED_SCORES_HEAD_DIM_TILES): forced, causal and not,
 # Sq != Sk, caps that bend most scores (2) and few (30).
 SOFTCAP_FUSED_CASES = {
     "full-odd": (Case("odd-d128", 2, 3, 3, 77, 77, 128), False, 2.0),

@@ -202,14 +202,13 @@ _SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_
 # Its dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
 # there, bwd -8 to -10% (perf-notes#function-dkdv), and clean since it converts integer positions.
 _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
-# Its fused backward runs plain attention's tiles, less D=64's 128x128 (causal, 8 local loads and
-# stores). Causal at D=128, 64x128 keeps loop bounds in local memory around its loops (17 stores,
-# none inside them) and its backward ran 5-16% faster than two kernels, 64x64 40% slower
-# (perf-notes#alibi-fused-d128); its grouped form takes plain attention's table as it is.
-_SM90_FUSED_ALIBI = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
-# Softcap's fused backward at D=64 on 64x128 tiles: 128x128 keeps 548 values in local memory
-# inside its loops there.
-_SM90_FUSED_SOFTCAP = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
+# The fused backward of ALiBi, softcap or an elementwise score function alone: plain attention's
+# tiles, less D=64's 128x128, which keeps values in local memory there (ALiBi causal: 8 local
+# loads and stores; softcap: 548, and a softcap function 491, inside its loops). With ALiBi at
+# D=128 causal, 64x128 keeps loop bounds in local memory around its loops (17 stores, none
+# inside them) and its backward ran 5-16% faster than two kernels, 64x64 40% slower
+# (perf-notes#alibi-fused-d128); the grouped form takes plain attention's table as it is.
+_SM90_FUSED_SCORES = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
 # plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
 # 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
@@ -227,8 +226,19 @@ _SM90_DKDV_FUNCTIONS = _SM90_DKDV_MODIFIED | {128: [*_SM90_DKDV_MODIFIED[128], _
 # faster than one CTA (softcap and ALiBi as functions most; a relative-position table stays on
 # one CTA, twice as fast there; perf-notes#function-forward-clusters). In training, with the
 # fused backward, fwd+bwd -3 to -4% at 4096 keys, +2% (ALiBi) and -3% (softcap) at 16384
-# (perf-notes#elementwise-functions-fused). At D=64 the clusters wait for each matmul.
-_SM90_FORWARD_FUNCTIONS = _SM90_FORWARD_MODIFIED | {128: _SM90_FORWARD_MASKED[128]}
+# (perf-notes#elementwise-functions-fused). At D=64 the clusters wait for each matmul; four
+# 64x64 CTAs per SM run one CTA's special-function work beside another's matmuls (as softcap's
+# fixed max does): softcap and ALiBi as functions fwd -4 to -19% up to 4096 keys, mixed at 16384
+# (perf-notes#functions-at-d64). They replace 128x64, which the tuner had not picked.
+_SM90_FORWARD_FUNCTIONS = _SM90_FORWARD_MODIFIED | {
+    64: [_c(128, 128, num_worker_warps=8), _c(64, 64, occupancy=4)],
+    128: _SM90_FORWARD_MASKED[128],
+}
+# A causal score function's fixed-max forward (dispatch.fixed_max_forward) at D=64 tries the
+# same two (softcap as a function -3 to +6% on four CTAs, ALiBi +2 to +5%: the tuner picks). At
+# D=128 two 128x64 CTAs spill (175 local loads and stores with softcap as a function: the
+# overflow check's recompute loop is a third loop body).
+_SM90_FORWARD_FIXED_MAX_FUNCTIONS = _SM90_FORWARD_FIXED_MAX | {64: _SM90_FORWARD_FUNCTIONS[64]}
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
@@ -390,7 +400,7 @@ MODIFIED_TABLES = {
 # Tables that replace those for calls with ALiBi alone, a mask function alone, a score function.
 ALIBI_TABLES = {
     **_sm90_forwards(_SM90_FORWARD_ALIBI, _SM90_FORWARD_FIXED_MAX_ALIBI),
-    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_ALIBI,
+    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SCORES,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,
 }
 # A mask function alone runs the fused backward on plain attention's tables (TABLES): at D=128
@@ -402,12 +412,13 @@ MASK_TABLES = {
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
 }
 FUNCTION_TABLES = {
-    **_sm90_forwards(_SM90_FORWARD_FUNCTIONS),
+    **_sm90_forwards(_SM90_FORWARD_FUNCTIONS, _SM90_FORWARD_FIXED_MAX_FUNCTIONS),
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS,
+    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SCORES,
 }
 SOFTCAP_TABLES = {
     **_sm90_forwards(_SM90_FORWARD_SOFTCAP, _SM90_FORWARD_FIXED_MAX_SOFTCAP),
-    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SOFTCAP,
+    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SCORES,
 }
 SCORE_TABLES = {
     ScoreTables.MODIFIED: MODIFIED_TABLES,

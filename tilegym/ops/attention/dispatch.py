@@ -37,9 +37,9 @@ FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
 # without an aux gradient, take the fused backward where they were measured, forced or not:
 # dense, at these head-dim tiles (softcap bwd -20 to -23% at D=128,
 # perf-notes#fused-backward-softcap, and -15 to -18% at D=64, perf-notes#fixed-max-four-ctas;
-# ALiBi and softcap as functions -11 to -30% at D=128, perf-notes#elementwise-functions-fused).
-FUSED_SOFTCAP_HEAD_DIM_TILES = (64, 128)
-FUSED_FUNCTIONS_HEAD_DIM_TILES = (128,)
+# ALiBi and softcap as functions -11 to -30% at D=128, perf-notes#elementwise-functions-fused,
+# and -1 to -9% and -12 to -16% at D=64, perf-notes#functions-at-d64).
+FUSED_SCORES_HEAD_DIM_TILES = (64, 128)
 
 # The fixed-max forward saves a third of the softmax's instructions, but its end-of-tile
 # overflow check costs each program a fixed time (perf-notes#exp2-fma-fixed-max and
@@ -75,7 +75,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     FUSED_PACKED_FULL_HEAD_DIM_TILES); ALiBi alone as plain attention (D=128: bwd 5-22% faster
     than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
     declared elementwise without an aux gradient, only dense at a head dim in
-    FUSED_SOFTCAP_HEAD_DIM_TILES or FUSED_FUNCTIONS_HEAD_DIM_TILES, and not in the grouped form.
+    FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form.
     Causal grouped-query attention takes the grouped form: a program per query head
     (perf-notes#gqa-program-per-head).
     """
@@ -89,8 +89,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     tile = configs.head_dim_tile(problem.tuning_head_dim)
     switches = problem.mods.switches
     if not switches.isdisjoint({"capped", "functions"}):
-        tiles = FUSED_FUNCTIONS_HEAD_DIM_TILES if "functions" in switches else FUSED_SOFTCAP_HEAD_DIM_TILES
-        if tile not in tiles or problem.packing is not None:
+        if tile not in FUSED_SCORES_HEAD_DIM_TILES or problem.packing is not None:
             return None
     user = problem.mods.user
     if "functions" in switches and not (user.elementwise and user.aux_grad is None):
