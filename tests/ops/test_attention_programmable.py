@@ -327,13 +327,18 @@ def test_op_attention_function_fixed_max_forward(name, force_config):
 
 
 # At D=64 a score function's fixed-max forward runs on one CTA or four 64x64 CTAs per SM, as the
-# tuner picks (4096 keys per query on average before it is taken): each forced, Sq < Sk, GQA, and
-# keys that overflow the diagonal's row max (the recompute).
-_LONG_D64 = 2 * dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] + 3
+# tuner picks (4096 keys per query on average before it is taken): each forced, Sq < Sk (short
+# query rows keep the float64 reference small), GQA, and keys that overflow the diagonal's row
+# max (the recompute).
+def _keys_for_fixed_max_d64(seqlen_q: int) -> int:
+    """Keys past FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] per causal query row on average."""
+    return dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] + seqlen_q // 2 + 5
+
+
 FIXED_MAX_FUNCTION_D64_CASES = {
-    "alibi-300-queries": (Case("fixed-max-alibi-300-d64", 1, 2, 2, 300, _LONG_D64 // 2 + 153, 64), _alibi),
-    "softcap-gqa": (Case("fixed-max-softcap-d64", 1, 4, 2, _LONG_D64, _LONG_D64, 64), _softcap),
-    "overflow": (Case("fixed-max-overflow-d64", 1, 2, 1, _LONG_D64, _LONG_D64, 64), _far_keys),
+    "alibi": (Case("fixed-max-alibi-d64", 1, 2, 2, 300, _keys_for_fixed_max_d64(300), 64), _alibi),
+    "softcap-gqa": (Case("fixed-max-softcap-d64", 1, 4, 2, 601, _keys_for_fixed_max_d64(601), 64), _softcap),
+    "overflow": (Case("fixed-max-overflow-d64", 1, 2, 1, 1000, _keys_for_fixed_max_d64(1000), 64), _far_keys),
 }
 
 
