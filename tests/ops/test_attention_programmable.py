@@ -247,7 +247,7 @@ def test_op_attention_masks_fused_backward(name, monkeypatch, force_config):
 
 
 # A score function declared elementwise (ALiBi, softcap) alone takes the fused backward at
-# D=33-128 (64x128 tiles at D=64), dense, ungrouped: forced here on rows shorter than "auto" fuses
+# D=64-128 (64x128 tiles at D=64), dense, ungrouped: forced here on rows shorter than "auto" fuses
 # from; causal and not, Sq != Sk, GQA without a causal mask, fp16.
 FUSED_FUNCTION_CASES = {
     "alibi-causal-d128": (Case("alibi-d128", 2, 4, 4, 300, 300, 128), True, _alibi, torch.bfloat16),
