@@ -235,7 +235,7 @@ _SM90_FORWARD_FUNCTIONS = _SM90_FORWARD_MODIFIED | {
     128: _SM90_FORWARD_MASKED[128],
 }
 # A causal score function's fixed-max forward (dispatch.fixed_max_forward) at D=64 tries the
-# same two (softcap as a function -3 to +6% on four CTAs, ALiBi +2 to +5%: the tuner picks). At
+# same two (softcap as a function -5 to +6% on four CTAs, ALiBi +2 to +6%: the tuner picks). At
 # D=128 two 128x64 CTAs spill (175 local loads and stores with softcap as a function: the
 # overflow check's recompute loop is a third loop body).
 _SM90_FORWARD_FIXED_MAX_FUNCTIONS = _SM90_FORWARD_FIXED_MAX | {64: _SM90_FORWARD_FUNCTIONS[64]}
