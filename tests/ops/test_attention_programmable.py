@@ -304,52 +304,42 @@ def _far_keys_one_row_bias(case, dtype):
 
 
 # A causal score function alone keeps a fixed row max from the diagonal's tiles at long rows
-# (dispatch.fixed_max_forward: 2048 keys per query on average at D=128): square and Sq < Sk,
-# with a table read per score, and with an overflow that forces the running max again.
+# (dispatch.fixed_max_forward: 2048 keys per query on average at D=128, 4096 at D=64): square
+# and Sq < Sk, with a table read per score; at D=64 (one CTA or four 64x64 CTAs per SM, as the
+# tuner picks) short query rows keep the float64 reference small, with an overflow that forces
+# the running max again. Each candidate of the case's head dim forced.
 _LONG = 2 * dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[128] + 3
+
+
+def _keys_for_fixed_max_d64(seqlen_q: int) -> int:
+    """Keys past FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] per causal query row on average."""
+    return dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] + seqlen_q // 2 + 5
+
+
 FIXED_MAX_FUNCTION_CASES = {
     "alibi-square": (Case("fixed-max-alibi", 1, 2, 1, _LONG, _LONG, 128), _alibi),
     "alibi-300-queries": (Case("fixed-max-alibi-300", 1, 2, 2, 300, _LONG // 2 + 153, 128), _alibi),
     "softcap-gqa": (Case("fixed-max-softcap", 1, 4, 2, _LONG, _LONG, 128), _softcap),
     "relative-table": (Case("fixed-max-relative", 1, 2, 1, _LONG, _LONG, 128), _relative),
+    "alibi-d64": (Case("fixed-max-alibi-d64", 1, 2, 2, 300, _keys_for_fixed_max_d64(300), 64), _alibi),
+    "softcap-gqa-d64": (Case("fixed-max-softcap-d64", 1, 4, 2, 601, _keys_for_fixed_max_d64(601), 64), _softcap),
+    "overflow-d64": (Case("fixed-max-overflow-d64", 1, 2, 1, 1000, _keys_for_fixed_max_d64(1000), 64), _far_keys),
 }
 FIXED_MAX_FUNCTION_CONFIG = configs.candidates(
     configs.FORWARD_LSE_FIXED_MAX, "sm_90", 128, 2, configs.ScoreTables.FUNCTIONS
 )[0]
 
 
-@pytest.mark.parametrize("name", list(FIXED_MAX_FUNCTION_CASES))
-def test_op_attention_function_fixed_max_forward(name, force_config):
-    case, build = FIXED_MAX_FUNCTION_CASES[name]
-    force_config(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
-    check_case(case, torch.bfloat16, True, build)
-    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, FIXED_MAX_FUNCTION_CONFIG)
+def _fixed_max_function_params():
+    for name, (case, build) in FIXED_MAX_FUNCTION_CASES.items():
+        tables = configs.ScoreTables.FUNCTIONS
+        for config in configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", case.head_dim, 2, tables):
+            tiles = f"{config.block_m}x{config.block_n}-occ{config.occupancy or 1}"
+            yield pytest.param(case, build, config, id=f"{name}-{tiles}")
 
 
-# At D=64 a score function's fixed-max forward runs on one CTA or four 64x64 CTAs per SM, as the
-# tuner picks (4096 keys per query on average before it is taken): each forced, Sq < Sk (short
-# query rows keep the float64 reference small), GQA, and keys that overflow the diagonal's row
-# max (the recompute).
-def _keys_for_fixed_max_d64(seqlen_q: int) -> int:
-    """Keys past FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] per causal query row on average."""
-    return dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[64] + seqlen_q // 2 + 5
-
-
-FIXED_MAX_FUNCTION_D64_CASES = {
-    "alibi": (Case("fixed-max-alibi-d64", 1, 2, 2, 300, _keys_for_fixed_max_d64(300), 64), _alibi),
-    "softcap-gqa": (Case("fixed-max-softcap-d64", 1, 4, 2, 601, _keys_for_fixed_max_d64(601), 64), _softcap),
-    "overflow": (Case("fixed-max-overflow-d64", 1, 2, 1, 1000, _keys_for_fixed_max_d64(1000), 64), _far_keys),
-}
-
-
-@pytest.mark.parametrize(
-    "config",
-    configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", 64, 2, configs.ScoreTables.FUNCTIONS),
-    ids=lambda c: f"{c.block_m}x{c.block_n}-occ{c.occupancy or 1}",
-)
-@pytest.mark.parametrize("name", list(FIXED_MAX_FUNCTION_D64_CASES))
-def test_op_attention_function_fixed_max_forward_d64(name, config, force_config):
-    case, build = FIXED_MAX_FUNCTION_D64_CASES[name]
+@pytest.mark.parametrize(("case", "build", "config"), list(_fixed_max_function_params()))
+def test_op_attention_function_fixed_max_forward(case, build, config, force_config):
     force_config(configs.FORWARD_LSE_FIXED_MAX, config)
     check_case(case, torch.bfloat16, True, build)
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
@@ -390,19 +380,17 @@ def test_op_attention_far_keys_backward(name, monkeypatch, force_config):
 # A score function's training forward (with the LSE) at D=64 and 128 (the same candidates as its
 # inference forward): each forced, with the backward after it.
 TRAINING_FORWARD_FUNCTION_CONFIGS = [
-    (head_dim, config)
+    pytest.param(
+        head_dim,
+        config,
+        id=f"d{head_dim}-{config.block_m}x{config.block_n}-ctas{config.num_ctas or 1}-occ{config.occupancy or 1}",
+    )  # fmt: skip
     for head_dim in (64, 128)
     for config in configs.candidates(configs.FORWARD_LSE, "sm_90", head_dim, 2, configs.ScoreTables.FUNCTIONS)
 ]
 
 
-@pytest.mark.parametrize(
-    "head_dim, config",
-    TRAINING_FORWARD_FUNCTION_CONFIGS,
-    ids=lambda c: (
-        f"{c.block_m}x{c.block_n}-ctas{c.num_ctas or 1}-occ{c.occupancy or 1}" if hasattr(c, "block_m") else f"d{c}"
-    ),
-)
+@pytest.mark.parametrize(("head_dim", "config"), TRAINING_FORWARD_FUNCTION_CONFIGS)
 @pytest.mark.parametrize("name", ["alibi-sq-gt-sk", "softcap-gqa-causal", "relative-in-documents-causal"])
 def test_op_attention_programmable_training_forward_configs(name, head_dim, config, force_config):
     case, causal, build = CASES[name]

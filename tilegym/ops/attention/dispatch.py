@@ -75,9 +75,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     FUSED_PACKED_FULL_HEAD_DIM_TILES); ALiBi alone as plain attention (D=128: bwd 5-22% faster
     than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
     declared elementwise without an aux gradient, only dense at a head dim in
-    FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form.
-    Causal grouped-query attention takes the grouped form: a program per query head
-    (perf-notes#gqa-program-per-head).
+    FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form. Causal grouped-query attention takes
+    the grouped form: a program per query head (perf-notes#gqa-program-per-head).
     """
     choice = backward_choice()
     if choice == "two-kernel" or torch.are_deterministic_algorithms_enabled():
