@@ -345,6 +345,40 @@ def test_op_attention_function_fixed_max_forward(case, build, config, force_conf
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
+# Without a mask a score function alone keeps a fixed row max from the key tile on its rows'
+# diagonal (bottom-right aligned) once a row sees enough keys (FIXED_MAX_FORWARD_MIN_MEAN_KEYS):
+# Sq < Sk and Sq > Sk (early rows' diagonal before the first key: they start at key tile 0), GQA,
+# keys not a whole number of tiles (the masked end comes last), a table read per score, keys that
+# overflow the start's row max (the recompute); at D=64 each candidate.
+def _full_fixed_max_cases():
+    long_keys = {head_dim: dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[head_dim] + 53 for head_dim in (64, 128)}
+    cases = {
+        "alibi-sq-lt-sk": (Case("full-fixed-max-alibi", 1, 2, 2, 300, long_keys[128], 128), _alibi),
+        "softcap-gqa-sq-gt-sk": (
+            Case("full-fixed-max-softcap", 1, 4, 2, long_keys[128] + 400, long_keys[128], 128),
+            _softcap,
+        ),
+        "relative-table": (Case("full-fixed-max-relative", 1, 2, 1, 500, long_keys[128], 128), _relative),
+        "overflow": (Case("full-fixed-max-overflow", 1, 2, 1, 1000, long_keys[128], 128), _far_keys),
+        "softcap-gqa-d64": (Case("full-fixed-max-softcap-d64", 1, 4, 2, 601, long_keys[64], 64), _softcap),
+        "overflow-d64": (Case("full-fixed-max-overflow-d64", 1, 2, 1, 300, long_keys[64], 64), _far_keys),
+    }
+    for name, (case, build) in cases.items():
+        for config in configs.candidates(
+            configs.FORWARD_LSE_FIXED_MAX, "sm_90", case.head_dim, 2, configs.ScoreTables.FUNCTIONS
+        ):
+            yield pytest.param(
+                case, build, config, id=f"{name}-{config.block_m}x{config.block_n}-occ{config.occupancy or 1}"
+            )
+
+
+@pytest.mark.parametrize(("case", "build", "config"), list(_full_fixed_max_cases()))
+def test_op_attention_function_fixed_max_forward_without_a_mask(case, build, config, force_config):
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    check_case(case, torch.bfloat16, False, build)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+
+
 def test_op_attention_function_fixed_max_forward_recomputes_after_overflow(force_config):
     """Keys scored far above the diagonal's row max overflow the fixed-max forward's
     probabilities: each query tile is computed again with a running max. The rows, 4099, leave

@@ -796,6 +796,20 @@ def test_op_varlen_score_functions(name, head_dim, causal):
     check(batch, causal, builtins, lse_grad=True, functions=functions, per_sequence=per_sequence)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["softcap", "relative-table"])
+def test_op_varlen_score_function_fixed_max_forward(name, causal, force_config):
+    """A score function alone keeps a fixed row max on a packed batch with one long sequence
+    (Lq != Lk) among short and empty ones: causal from the diagonal's masked tiles, without a mask
+    from the key tile on its rows' diagonal, each sequence's own."""
+    functions, builtins, per_sequence = FUNCTIONS[name](4)
+    batch = pack([4300, 40, 0, 700], [4400, 33, 9, 700], 4, 2, 128)
+    config = configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", 128, 2, configs.ScoreTables.FUNCTIONS)[0]
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    check(batch, causal, builtins, functions=functions, per_sequence=per_sequence)
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+
+
 def test_op_varlen_score_function_sees_the_sequence():
     """b is the sequence and positions count within it: a function of b and kv_idx alone, against
     its meaning as a per-sequence bias."""

@@ -120,8 +120,8 @@ def split_dkdv(problem: AttentionProblem, candidates) -> bool:
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
-    plain attention (sinks allowed), or causal ALiBi or a causal score function alone, with
-    enough keys per query for it to win, or softcap alone where bounded_softcap says, where the
+    plain attention (sinks allowed), or causal ALiBi or a score function alone, with enough keys
+    per query for it to win, or softcap alone where bounded_softcap says, where the
     arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
     Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
     the running-max one is ordinary."""
@@ -135,7 +135,9 @@ def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     if "capped" in switches:
         # No overflow check to pay for: any length, causal or not.
         return bounded_softcap(problem)
-    if switches and not problem.causal:
+    if switches and not problem.causal and switches != {"functions"}:
+        # Causal ALiBi starts from the masked diagonal; a score function alone without a mask
+        # from the key tile on its rows' diagonal (perf-notes#function-fixed-max-full).
         return False
     min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.tuning_head_dim)]
     return mean_keys_per_query(problem) >= min_keys
