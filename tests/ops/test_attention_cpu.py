@@ -824,9 +824,12 @@ BOUNDED_CAP = dispatch.BOUNDED_SOFTCAP_MAX
         (64, 8, MIN_FIXED_MAX[64] + 4, True, torch.float16, ScoreMods(alibi=True), True),
         (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(alibi=True), False),
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(alibi=True, softcap=30.0), False),
-        # A causal score function alone starts from the diagonal as ALiBi does; not with a mask.
+        # A score function alone starts from the diagonal (causal: its masked tiles, as ALiBi;
+        # without a mask: the key tile on it); not with a mask, nor with too few keys.
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, _UNDECLARED, True),
-        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, _UNDECLARED, False),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, _UNDECLARED, True),
+        (128, 8, MIN_FIXED_MAX[128] - 1, False, torch.bfloat16, _UNDECLARED, False),
+        (64, 8, MIN_FIXED_MAX[64], False, torch.bfloat16, _UNDECLARED, True),
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, _SCORE_AND_MASK, False),
         (256, 8, 1 << 16, False, torch.bfloat16, None, False),  # no table
         (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, "wide", False),  # int64 indexing
