@@ -120,13 +120,12 @@ def split_dkdv(problem: AttentionProblem, candidates) -> bool:
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
-    plain attention (sinks allowed), or causal ALiBi or a score function alone, with enough keys
-    per query for it to win, or softcap alone where bounded_softcap says, where the
+    plain attention (sinks allowed), or ALiBi or a score function alone (or both), with enough
+    keys per query for it to win, or softcap alone where bounded_softcap says, where the
     arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
     Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
     the running-max one is ordinary."""
-    # The variant's switches say which calls it takes; its ALiBi and score functions need the
-    # causal diagonal to start from.
+    # The variant's switches say which calls it takes.
     switches = problem.mods.switches
     if not VARIANTS[FORWARD_FIXED_MAX].takes_switches(switches):
         return False
@@ -135,9 +134,9 @@ def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     if "capped" in switches:
         # No overflow check to pay for: any length, causal or not.
         return bounded_softcap(problem)
-    if switches and not problem.causal and switches != {"functions"}:
-        # Causal ALiBi starts from the masked diagonal; a score function alone without a mask
-        # from the key tile on its rows' diagonal (perf-notes#function-fixed-max-full).
+    if not problem.causal and not switches <= {"alibi", "functions"}:
+        # ALiBi and score functions start from the key tiles on the rows' diagonal, masked
+        # (causal) or not (perf-notes#function-fixed-max-full); the other switches need causal.
         return False
     min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.tuning_head_dim)]
     return mean_keys_per_query(problem) >= min_keys

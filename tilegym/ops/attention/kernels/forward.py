@@ -186,8 +186,8 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
     the row max of the masked ones; should anything overflow, the tile is computed again with a
     running max. The check costs every program a cross-warp reduction. A row that sees no key of
     the masked tiles keeps max -inf, which overflows at its first unmasked step: that tile takes
-    the running max. A score function without a mask starts from the key tile on its rows'
-    diagonal instead. Softcap alone needs no check: its fixed max is the cap."""
+    the running max. ALiBi or a score function without a mask starts from the key tiles under its
+    rows' diagonal instead. Softcap alone needs no check: its fixed max is the cap."""
     if fixed_max and tile.scoring.switches.capped:
         # Softcap alone (bf16, dispatch.bounded_softcap): no score exceeds the cap, every row's
         # fixed max from the first step. Nothing can overflow, so nothing is checked, and a row
@@ -204,14 +204,16 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
             # aside.
             fast = _forward_loop(segments.full_end, segments.end, state, tile, True)
             fast = _loop_fixed_max(0, segments.full_end, fast, tile, False)
-        elif score_modified(tile.scoring.switches):
-            # A score function without a mask has no masked diagonal tiles: the unmasked key tile
-            # on its rows' diagonal (bottom-right aligned, as causal) sets the max, the others
-            # follow it, and the keys' ragged end (masked) comes last with a running max.
-            scoring = tile.scoring
-            diagonal_key = tile.q_tile * scoring.tiling.block_m + scoring.seqlens.k - scoring.seqlens.q
-            start = max(min(diagonal_key // scoring.tiling.block_n, segments.full_end - 1), 0)
-            start_end = min(start + 1, segments.full_end)
+        elif tile.scoring.switches.alibi or score_modified(tile.scoring.switches):
+            # Without a mask there are no masked diagonal tiles: the unmasked key tiles under the
+            # query tile's diagonal (bottom-right aligned, as causal) set the max, with a running
+            # max; the others follow against it, and the keys' ragged end (masked) comes last
+            # with a running max. ALiBi peaks on the diagonal; a score function most likely near it.
+            tiling = tile.scoring.tiling
+            diagonal_key = tile.q_tile * tiling.block_m + tile.scoring.seqlens.k - tile.scoring.seqlens.q
+            start = max(min(diagonal_key // tiling.block_n, segments.full_end - 1), 0)
+            last = (diagonal_key + tiling.block_m - 1) // tiling.block_n
+            start_end = min(max(last + 1, start + 1), segments.full_end)
             fast = _forward_loop(start, start_end, state, tile, False)
             fast = _loop_fixed_max(start_end, segments.full_end, fast, tile, False)
             fast = _loop_fixed_max(0, start, fast, tile, False)
