@@ -819,10 +819,13 @@ BOUNDED_CAP = dispatch.BOUNDED_SOFTCAP_MAX
         (128, 8, MIN_FIXED_MAX[128], False, torch.float32, ScoreMods(softcap=30.0), False),
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(softcap=30.0, window=(64, 0)), False),
         (256, 8, 8, False, torch.bfloat16, ScoreMods(softcap=30.0), False),  # no table
-        # Causal ALiBi alone: its fixed max comes from the diagonal's tiles; not without a causal mask.
+        # ALiBi alone: its fixed max comes from the diagonal's key tiles, causal or not; not with
+        # a window, nor with too few keys.
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(alibi=True), True),
         (64, 8, MIN_FIXED_MAX[64] + 4, True, torch.float16, ScoreMods(alibi=True), True),
-        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(alibi=True), False),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(alibi=True), True),
+        (128, 8, MIN_FIXED_MAX[128] - 1, False, torch.bfloat16, ScoreMods(alibi=True), False),
+        (128, 8, MIN_FIXED_MAX[128], False, torch.bfloat16, ScoreMods(alibi=True, window=(64, 64)), False),
         (128, 8, MIN_FIXED_MAX[128] + 4, True, torch.bfloat16, ScoreMods(alibi=True, softcap=30.0), False),
         # A score function alone starts from the diagonal (causal: its masked tiles, as ALiBi;
         # without a mask: the key tile on it); not with a mask, nor with too few keys.

@@ -237,16 +237,18 @@ def test_op_attention_alibi_causal_steep_slopes(case, dtype, backward, monkeypat
     check_variant(case, dtype, True, {"alibi_slopes": slopes})
 
 
-# Causal ALiBi alone keeps a fixed row max from as many keys per query as plain attention: the
-# diagonal's (masked) tiles set it. Key lengths just past that, with the first row's last key
-# inside a masked tile ("aligned"), or at the end of an unmasked one ("diagonal-at-tile-end":
-# that row's max is still -inf after the masked tiles, so its query tile takes the running max).
+# ALiBi alone keeps a fixed row max from as many keys per query as plain attention: causal, the
+# diagonal's (masked) tiles set it; without a mask, the key tiles under each query tile's
+# diagonal. Key lengths just past that, with the first row's last key inside a masked tile
+# ("aligned"), or at the end of an unmasked one ("diagonal-at-tile-end": causal, that row's max is
+# still -inf after the masked tiles, so its query tile takes the running max).
 ALIBI_FIXED_MAX_CONFIGS = [
     pytest.param(head_dim, config, id=f"d{head_dim}-{config.block_m}x{config.block_n}")
     for head_dim in dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS
     for config in configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", head_dim, 2, configs.ScoreTables.ALIBI)
 ]
 _ALIBI_SLOPES = (0.5, 2**-3, 2**-6, 2**-8)
+_MASKS = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 
 
 def _alibi_fixed_max_case(head_dim: int, block_n: int, diagonal_at_tile_end: bool) -> Case:
@@ -257,38 +259,54 @@ def _alibi_fixed_max_case(head_dim: int, block_n: int, diagonal_at_tile_end: boo
     return Case("alibi-fixed-max", 1, 4, 2, seqlen_q, seqlen_k, head_dim)
 
 
-def _assert_alibi_fixed_max_chosen(case: Case, slopes) -> None:
+def _assert_alibi_fixed_max_chosen(case: Case, slopes, causal: bool) -> None:
     q, k, v = make_inputs(case, torch.bfloat16)
-    problem, _ = problem_mod.check_inputs(q, k, v, None, True, alibi_slopes=slopes)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, causal, alibi_slopes=slopes)
     assert dispatch.fixed_max_forward(problem, launch._Launcher(problem, q.device).candidates)
 
 
+@_MASKS
 @pytest.mark.parametrize("diagonal_at_tile_end", [False, True], ids=["aligned", "diagonal-at-tile-end"])
 @pytest.mark.parametrize(("head_dim", "config"), ALIBI_FIXED_MAX_CONFIGS)
-def test_op_attention_alibi_fixed_max_forward(head_dim, config, diagonal_at_tile_end, force_config):
+def test_op_attention_alibi_fixed_max_forward(head_dim, config, diagonal_at_tile_end, causal, force_config):
     force_config(configs.FORWARD_LSE_FIXED_MAX, config)
     case = _alibi_fixed_max_case(head_dim, config.block_n, diagonal_at_tile_end)
     slopes = torch.tensor(_ALIBI_SLOPES, device="cuda")
-    _assert_alibi_fixed_max_chosen(case, slopes)
-    check_variant(case, torch.bfloat16, True, {"alibi_slopes": slopes})
+    _assert_alibi_fixed_max_chosen(case, slopes, causal)
+    check_variant(case, torch.bfloat16, causal, {"alibi_slopes": slopes})
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
 @pytest.mark.parametrize(("head_dim", "config"), ALIBI_FIXED_MAX_CONFIGS)
-def test_op_attention_alibi_fixed_max_recomputes_after_overflow(head_dim, config, force_config):
+def test_op_attention_alibi_fixed_max_without_a_mask_steep_slopes(head_dim, config, force_config):
+    """Without a mask, Sq > Sk (the first rows' diagonal lies before key 0: they start at key
+    tile 0) and slopes of up to 1 per key: a query tile's rows peak in different key tiles under
+    its diagonal, all of which set its max."""
+    force_config(configs.FORWARD_LSE_FIXED_MAX, config)
+    seqlen_k = dispatch.FIXED_MAX_FORWARD_MIN_MEAN_KEYS[head_dim] + 37
+    case = Case("alibi-fixed-max-steep", 1, 2, 1, seqlen_k + 2 * config.block_m + 9, seqlen_k, head_dim)
+    slopes = torch.tensor((1.0, 2**-4), device="cuda")
+    _assert_alibi_fixed_max_chosen(case, slopes, False)
+    check_variant(case, torch.bfloat16, False, {"alibi_slopes": slopes})
+    assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
+
+
+@_MASKS
+@pytest.mark.parametrize(("head_dim", "config"), ALIBI_FIXED_MAX_CONFIGS)
+def test_op_attention_alibi_fixed_max_recomputes_after_overflow(head_dim, config, causal, force_config):
     """Keys near the diagonal score far below the rest and the slopes are gentle: probabilities
     against the diagonal tiles' max overflow fp32, so each query tile must be computed again."""
     force_config(configs.FORWARD_LSE_FIXED_MAX, config)
     case = _alibi_fixed_max_case(head_dim, config.block_n, False)
     slopes = torch.full((case.q_heads,), 2**-10, device="cuda")
-    _assert_alibi_fixed_max_chosen(case, slopes)
+    _assert_alibi_fixed_max_chosen(case, slopes, causal)
     q, k, v = make_inputs(case, torch.bfloat16)
-    near = case.seqlen_q + 2 * config.block_n  # the keys of every query tile's masked tiles
+    near = case.seqlen_q + 2 * config.block_n  # the keys of every query tile's diagonal tiles
     k[:, :, -near:] *= 0.01
     k[:, :, :-near] *= 30
-    problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, True, alibi_slopes=slopes)
-    ref_out, ref_lse = attention_reference(q.double(), k.double(), v.double(), is_causal=True, alibi_slopes=slopes)
-    base_out, _ = attention_reference(q, k, v, is_causal=True, alibi_slopes=slopes, compute_dtype=torch.bfloat16)
+    problem, mod_tensors = problem_mod.check_inputs(q, k, v, None, causal, alibi_slopes=slopes)
+    ref_out, ref_lse = attention_reference(q.double(), k.double(), v.double(), is_causal=causal, alibi_slopes=slopes)
+    base_out, _ = attention_reference(q, k, v, is_causal=causal, alibi_slopes=slopes, compute_dtype=torch.bfloat16)
     out = torch.full_like(q, math.nan)
     lse = torch.full(q.shape[:3], math.nan, device=q.device, dtype=torch.float32)
     launch.forward(q, k, v, problem, with_lse=True, out=out, lse=lse, mod_tensors=mod_tensors)

@@ -465,8 +465,9 @@ def test_op_varlen_modifiers(name, lse_grad):
 
 
 _STEEP_SLOPES = (0.5, 0.25, 2**-4, 2**-8)
-# A sequence long enough for the fixed-max forward (D=128, causal: from 2048 keys per query on
-# average) among short ones, Lq != Lk in it; ALiBi's fixed max comes from the diagonal's tiles.
+# A sequence long enough for the fixed-max forward (D=128: from 2048 keys per query on average)
+# among short ones, Lq != Lk in it; ALiBi's fixed max comes from the key tiles on each
+# sequence's diagonal (masked when causal).
 FIXED_MAX_PACKED = {
     "plain": lambda n: {},
     "alibi-per-head": lambda n: {"alibi_slopes": torch.tensor(_STEEP_SLOPES, device=DEVICE)},
@@ -477,14 +478,15 @@ FIXED_MAX_PACKED = {
 }
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", list(FIXED_MAX_PACKED))
-def test_op_varlen_fixed_max_forward(name, force_config):
+def test_op_varlen_fixed_max_forward(name, causal, force_config):
     batch = pack([4300, 40, 0, 700], [4400, 33, 9, 700], 4, 2, 128)
     kwargs = FIXED_MAX_PACKED[name](batch.sequences)
     tables = configs.ScoreTables.ALIBI if "alibi_slopes" in kwargs else configs.ScoreTables.PLAIN
     config = configs.candidates(configs.FORWARD_LSE_FIXED_MAX, "sm_90", 128, 2, tables)[0]
     force_config(configs.FORWARD_LSE_FIXED_MAX, config)
-    check(batch, True, kwargs)
+    check(batch, causal, kwargs)
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
