@@ -120,7 +120,7 @@ def split_dkdv(problem: AttentionProblem, candidates) -> bool:
 
 def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     """Whether the forward keeps a fixed row max per query tile (kernels/forward.py, _key_loops):
-    plain attention (sinks allowed), or ALiBi or a score function alone (or both), with enough
+    plain attention (sinks allowed), or ALiBi alone or a score function alone, with enough
     keys per query for it to win, or softcap alone where bounded_softcap says, where the
     arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
     Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
