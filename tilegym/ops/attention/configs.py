@@ -150,10 +150,12 @@ _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
 # two warpgroups per SM (384 threads at 168 registers fill the register file; 64-row tiles at
 # two CTAs per SM lost 5-13%, perf-notes#four-variants-lost). At D=64, 256x64 tiles won without
 # a mask (perf-notes#d64-256x64-tiles) only while the 128x128 kernel waited for each matmul
-# alone; since perf-notes#d64-serialized-matmuls 128x128 wins everywhere. (Four 64x64 CTAs per
-# SM at D=64 read 5-7% faster without a mask at 16384 keys in one run, level causal, and no faster
-# in a benchmark run after it: not adopted, perf-notes#fixed-max-four-ctas.)
-_SM90_FORWARD_FIXED_MAX = {d: [_c(128, 128, num_worker_warps=8)] for d in (64, 128)}
+# alone; since perf-notes#d64-serialized-matmuls 128x128 wins among single CTAs. At D=64 four
+# 64x64 CTAs per SM follow as the tuner's second candidate (perf-notes#d64-fixed-max-four-ctas).
+_SM90_FORWARD_FIXED_MAX = {
+    64: [_c(128, 128, num_worker_warps=8), _c(64, 64, occupancy=4)],
+    128: [_c(128, 128, num_worker_warps=8)],
+}
 # With score modifiers (bias, softcap, ...) the D=128 dK/dV step holds more live tiles: at
 # two CTAs per SM 64x64 spills there (and 64x128 at one), 32x128 and 64x64 at one do not.
 _SM90_DKDV_MODIFIED = _SM90_DKDV | {128: [_c(32, 128, num_worker_warps=8), _c(64, 64)]}
@@ -196,9 +198,11 @@ _SM90_FORWARD_FIXED_MAX_SOFTCAP = {
     64: [_c(64, 64, occupancy=4)],
     128: [_c(128, 128, num_worker_warps=8), _c(128, 64, occupancy=2)],
 }
-# Causal ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward): plain
-# attention's 128x128 at D=128; at D=64 that spills (2 local stores, causal) and 128x64 does not.
-_SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX | {64: [_c(128, 64, num_worker_warps=8)]}
+# ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward), on plain attention's
+# table: at D=64, forced, one 128x128 CTA and four 64x64 CTAs took 8-18% less forward time than
+# the 128x64 CTA this table had, though 128x128 keeps 5 values in local memory (causal, outside
+# the loops) and four CTAs 4 inside them (without a mask) (perf-notes#d64-fixed-max-four-ctas).
+_SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX
 # Its dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
 # there, bwd -8 to -10% (perf-notes#function-dkdv), and clean since it converts integer positions.
 _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
