@@ -315,6 +315,50 @@ def test_op_attention_alibi_fixed_max_recomputes_after_overflow(head_dim, config
     assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
 
 
+# ALiBi or softcap alone at D=64 runs its running-max forward on four 64x64 CTAs per SM or one
+# 128x128 CTA, as the tuner picks: each candidate forced, with the backward after it; query
+# groups, Sq != Sk (rows that see no key), odd lengths, sinks, fp16 with a cap past the bound.
+RUNNING_MAX_D64_CASES = {
+    "alibi-causal-sq-gt-sk-gqa": (
+        Case("alibi-d64", 2, 4, 2, 333, 200, 64),
+        torch.bfloat16,
+        True,
+        {"alibi_slopes": "steep"},
+    ),
+    "alibi-full-sinks": (
+        Case("alibi-sinks-d64", 1, 4, 4, 130, 517, 64),
+        torch.bfloat16,
+        False,
+        {"alibi_slopes": "steep", "sinks": "random"},
+    ),
+    "softcap-causal-sq-lt-sk": (Case("softcap-d64", 1, 3, 3, 190, 1000, 64), torch.bfloat16, True, {"softcap": 50.0}),
+    "softcap-full-fp16": (Case("softcap-fp16-d64", 2, 4, 2, 257, 257, 64), torch.float16, False, {"softcap": 30.0}),
+}
+
+
+def _running_max_d64_params():
+    for name, (case, dtype, causal, kwargs) in RUNNING_MAX_D64_CASES.items():
+        tables = configs.ScoreTables.ALIBI if "alibi_slopes" in kwargs else configs.ScoreTables.SOFTCAP
+        for config in configs.candidates(configs.FORWARD_LSE, "sm_90", 64, 2, tables):
+            tiles = f"{config.block_m}x{config.block_n}-occ{config.occupancy or 1}"
+            yield pytest.param(case, dtype, causal, kwargs, config, id=f"{name}-{tiles}")
+
+
+@pytest.mark.parametrize(("case", "dtype", "causal", "kwargs", "config"), list(_running_max_d64_params()))
+def test_op_attention_running_max_forward_d64_configs(case, dtype, causal, kwargs, config, force_config):
+    force_config(configs.FORWARD_LSE, config)
+    kwargs = dict(kwargs)
+    if kwargs.get("alibi_slopes") == "steep":
+        kwargs["alibi_slopes"] = torch.tensor([1.0, 0.5, 2**-4, 2**-8] * (case.q_heads // 4), device="cuda")
+    if kwargs.get("sinks") == "random":
+        kwargs["sinks"] = torch.randn(case.q_heads, device="cuda", dtype=torch.float32)
+    q, k, v = make_inputs(case, dtype)
+    problem, _ = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
+    assert not dispatch.fixed_max_forward(problem, launch._Launcher(problem, q.device).candidates)
+    check_variant(case, dtype, causal, kwargs)
+    assert ran_with(configs.FORWARD_LSE, config)
+
+
 # Softcap alone with bf16 inputs takes its cap as every row's fixed max (dispatch.bounded_softcap)
 # at any length, causal or not: odd lengths, query groups, Sq > Sk (rows that see no key), the
 # largest cap it takes, sinks.

@@ -465,6 +465,24 @@ def test_op_varlen_modifiers(name, lse_grad):
 
 
 _STEEP_SLOPES = (0.5, 0.25, 2**-4, 2**-8)
+
+
+# ALiBi per sequence at D=64 on each running-max forward candidate (four 64x64 CTAs per SM or one
+# 128x128 CTA), Lq != Lk, empty sequences, rows that see no key (causal).
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "config",
+    configs.candidates(configs.FORWARD_LSE, "sm_90", 64, 2, configs.ScoreTables.ALIBI),
+    ids=lambda config: f"{config.block_m}x{config.block_n}-occ{config.occupancy or 1}",
+)
+def test_op_varlen_alibi_forward_d64_configs(config, causal, force_config):
+    batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2, 64)
+    force_config(configs.FORWARD_LSE, config)
+    slopes = torch.tensor(_STEEP_SLOPES, device=DEVICE).repeat(batch.sequences, 1)
+    check(batch, causal, {"alibi_slopes": slopes}, lse_grad=True)
+    assert ran_with(configs.FORWARD_LSE, config)
+
+
 # A sequence long enough for the fixed-max forward (D=128: from 2048 keys per query on average)
 # among short ones, Lq != Lk in it; ALiBi's fixed max comes from the key tiles on each
 # sequence's diagonal (masked when causal).
