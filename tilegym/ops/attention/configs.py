@@ -167,11 +167,13 @@ _SM90_DQ_MODIFIED = _SM90_DQ | {
     64: [_c(128, 64, num_worker_warps=8), _c(64, 64)],
     256: [_c(64, 64, num_worker_warps=8), _c(64, 32), _c(64, 64)],
 }
-# With score modifiers the D=64 forward at four CTAs per SM spills (a sliding window's masks),
-# and no config runs on CTA clusters (candidates() below): the modified forward keeps the
-# one-CTA configs it had before those entries.
+# With score modifiers no config runs on CTA clusters (candidates() below). At D=64 four 64x64
+# CTAs per SM, whose score work runs beside the others' matmuls, took 4-36% less running-max
+# forward time than one 128x128 CTA with a bias, a one-row bias, a window, ALiBi or softcap,
+# causal and not, 1024-4096 keys (128x64 slower still). A window without a causal mask keeps 96
+# values in local memory there and still ran 11-36% faster (perf-notes#d64-running-max-four-ctas).
 _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
-    64: [_c(128, 128, num_worker_warps=8), _c(128, 64)],
+    64: [_c(64, 64, occupancy=4), _c(128, 128, num_worker_warps=8)],
     128: [_c(128, 128, num_worker_warps=8)],
     # D=256 with modifiers keeps the configs measured before the plain table's 128x128.
     256: [_c(64, 64), _c(128, 64, num_worker_warps=8), _c(64, 32)],
@@ -181,20 +183,15 @@ _SM90_FORWARD_MODIFIED = _SM90_FORWARD | {
 _SM90_FORWARD_MODIFIED_OR_CLUSTERS = _SM90_FORWARD_MODIFIED | {
     128: [_c(128, 128, num_worker_warps=8), _c(128, 128, occupancy=2, num_ctas=2)],
 }
-# ALiBi or softcap alone at D=64: four 64x64 CTAs per SM, whose score work runs beside the
-# others' matmuls, took 11-33% less running-max forward time than one 128x128 CTA (128x64 slower
-# still), causal and not, 1024-4096 keys; both compile without local memory
-# (perf-notes#d64-running-max-four-ctas).
-_SM90_FORWARD_FOUR_CTAS_AT_D64 = {64: [_c(64, 64, occupancy=4), _c(128, 128, num_worker_warps=8)]}
 # ALiBi alone: its forward keeps raw products as plain attention's does and adds two
 # instructions per score (perf-notes#alibi-positions). The clusters were faster at causal 4096,
 # 1-3% slower at 16384 and without a mask (they compile without spilling with ALiBi); at D=64
 # the tuner chose one CTA over them.
-_SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED_OR_CLUSTERS | _SM90_FORWARD_FOUR_CTAS_AT_D64
+_SM90_FORWARD_ALIBI = _SM90_FORWARD_MODIFIED_OR_CLUSTERS
 # Softcap alone: its running-max forward (fp16 inputs, or a cap above
 # dispatch.BOUNDED_SOFTCAP_MAX) ran 5-10% faster on the clusters from 4096 keys and 14% slower
 # causal at 1024 (perf-notes#softcap-bounded-max).
-_SM90_FORWARD_SOFTCAP = _SM90_FORWARD_MODIFIED_OR_CLUSTERS | _SM90_FORWARD_FOUR_CTAS_AT_D64
+_SM90_FORWARD_SOFTCAP = _SM90_FORWARD_MODIFIED_OR_CLUSTERS
 # With the cap as its fixed max, softcap's two special-function instructions per score run while
 # other CTAs' matmuls do: at D=64 four 64x64 CTAs per SM took 7-33% less forward time than one
 # 128x128 CTA in every cell; at D=128 two 128x64 CTAs of one warpgroup each 3-14% less up to 4096
