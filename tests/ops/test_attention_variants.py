@@ -315,9 +315,10 @@ def test_op_attention_alibi_fixed_max_recomputes_after_overflow(head_dim, config
     assert max_error(lse, ref_lse) <= 1e-5 * (1 + ref_lse.abs().max().item())
 
 
-# ALiBi or softcap alone at D=64 runs its running-max forward on four 64x64 CTAs per SM or one
-# 128x128 CTA, as the tuner picks: each candidate forced, with the backward after it; query
-# groups, Sq != Sk (rows that see no key), odd lengths, sinks, fp16 with a cap past the bound.
+# With score modifiers the D=64 running-max forward runs on four 64x64 CTAs per SM or one
+# 128x128 CTA, as the tuner picks: each candidate of the call's table forced, with the backward
+# after it; query groups, Sq != Sk (rows that see no key), odd lengths, sinks, fp16 with a cap
+# past the bound, a window without a causal mask (which spills on four CTAs), everything at once.
 RUNNING_MAX_D64_CASES = {
     "alibi-causal-sq-gt-sk-gqa": (
         Case("alibi-d64", 2, 4, 2, 333, 200, 64),
@@ -333,12 +334,38 @@ RUNNING_MAX_D64_CASES = {
     ),
     "softcap-causal-sq-lt-sk": (Case("softcap-d64", 1, 3, 3, 190, 1000, 64), torch.bfloat16, True, {"softcap": 50.0}),
     "softcap-full-fp16": (Case("softcap-fp16-d64", 2, 4, 2, 257, 257, 64), torch.float16, False, {"softcap": 30.0}),
+    "bias-causal-gqa": (Case("bias-d64", 2, 4, 2, 200, 333, 64), torch.bfloat16, True, {"attn_bias": "per-row"}),
+    "one-row-bias-full": (Case("row-bias-d64", 2, 4, 4, 257, 130, 64), torch.bfloat16, False, {"attn_bias": "one-row"}),
+    "window-full": (Case("window-d64", 1, 4, 2, 300, 517, 64), torch.bfloat16, False, {"window_size": (70, 33)}),
+    "everything-causal": (
+        Case("everything-d64", 1, 4, 4, 300, 300, 64),
+        torch.bfloat16,
+        True,
+        {"window_size": (90, 0), "softcap": 20.0, "alibi_slopes": "steep", "attn_bias": "per-row"},
+    ),
 }
+
+
+def _running_max_d64_kwargs(case: Case, kwargs: dict) -> dict:
+    kwargs = dict(kwargs)
+    if kwargs.get("alibi_slopes") == "steep":
+        kwargs["alibi_slopes"] = torch.tensor([1.0, 0.5, 2**-4, 2**-8] * (case.q_heads // 4), device="cuda")
+    if kwargs.get("sinks") == "random":
+        kwargs["sinks"] = torch.randn(case.q_heads, device="cuda", dtype=torch.float32)
+    bias_rows = {"per-row": case.seqlen_q, "one-row": 1}.get(kwargs.get("attn_bias"))
+    if bias_rows is not None:
+        shape = (case.batch, case.q_heads, bias_rows, case.seqlen_k)
+        kwargs["attn_bias"] = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    return kwargs
+
+
+# The score switch each keyword argument sets (score_mods.ScoreMods.switches); sinks set none.
+_SWITCH_OF = {"alibi_slopes": "alibi", "softcap": "capped", "attn_bias": "bias_mode", "window_size": "windowed"}
 
 
 def _running_max_d64_params():
     for name, (case, dtype, causal, kwargs) in RUNNING_MAX_D64_CASES.items():
-        tables = configs.ScoreTables.ALIBI if "alibi_slopes" in kwargs else configs.ScoreTables.SOFTCAP
+        tables = configs.score_tables(frozenset(_SWITCH_OF[key] for key in kwargs if key in _SWITCH_OF))
         for config in configs.candidates(configs.FORWARD_LSE, "sm_90", 64, 2, tables):
             tiles = f"{config.block_m}x{config.block_n}-occ{config.occupancy or 1}"
             yield pytest.param(case, dtype, causal, kwargs, config, id=f"{name}-{tiles}")
@@ -347,11 +374,7 @@ def _running_max_d64_params():
 @pytest.mark.parametrize(("case", "dtype", "causal", "kwargs", "config"), list(_running_max_d64_params()))
 def test_op_attention_running_max_forward_d64_configs(case, dtype, causal, kwargs, config, force_config):
     force_config(configs.FORWARD_LSE, config)
-    kwargs = dict(kwargs)
-    if kwargs.get("alibi_slopes") == "steep":
-        kwargs["alibi_slopes"] = torch.tensor([1.0, 0.5, 2**-4, 2**-8] * (case.q_heads // 4), device="cuda")
-    if kwargs.get("sinks") == "random":
-        kwargs["sinks"] = torch.randn(case.q_heads, device="cuda", dtype=torch.float32)
+    kwargs = _running_max_d64_kwargs(case, kwargs)
     q, k, v = make_inputs(case, dtype)
     problem, _ = problem_mod.check_inputs(q, k, v, None, causal, **kwargs)
     assert not dispatch.fixed_max_forward(problem, launch._Launcher(problem, q.device).candidates)
