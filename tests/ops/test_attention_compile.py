@@ -68,15 +68,22 @@ def _runs_wide(name) -> bool:
 # kept in local memory around the loops, none inside (ALiBi's fused backward at D=128,
 # configs._SM90_FUSED_ALIBI); "measured", spills inside the loops of a kernel measured faster
 # than the alternative all the same (softcap's fused backward at D=128,
-# perf-notes#fused-backward-softcap). Elsewhere none.
+# perf-notes#fused-backward-softcap; at D=64 a window's forward without a causal mask on four
+# 64x64 CTAs per SM, perf-notes#d64-running-max-four-ctas, and ALiBi's fixed-max forward on
+# plain attention's table, perf-notes#d64-fixed-max-four-ctas). Elsewhere none.
 ALLOWED_SPILLS = {
     (configs.BACKWARD_FUSED, "alibi", 128): "around-loops",
     (configs.BACKWARD_FUSED, "capped", 128): "measured",
+    (configs.FORWARD, "windowed", 64): "measured",
+    (configs.FORWARD_LSE, "windowed", 64): "measured",
+    (configs.FORWARD_FIXED_MAX, "alibi", 64): "measured",
+    (configs.FORWARD_LSE_FIXED_MAX, "alibi", 64): "measured",
 }
 
 
 def _allowed_spills(kernel, switches, head_dim) -> str:
-    on = [name for name, value in switches.items() if value]
+    """ALLOWED_SPILLS for one score switch alone (sinks and gradients aside)."""
+    on = [name for name, value in switches.items() if value and name in SCORE_SWITCHES]
     key = (kernel, on[0] if len(on) == 1 else None, configs.head_dim_tile(head_dim))
     return ALLOWED_SPILLS.get(key, "none")
 
