@@ -66,7 +66,7 @@ def _runs_wide(name) -> bool:
 
 # Where spills are allowed, by (variant, score switch, head-dim tile): "around-loops", values
 # kept in local memory around the loops, none inside (ALiBi's fused backward at D=128,
-# configs._SM90_FUSED_ALIBI); "measured", spills inside the loops of a kernel measured faster
+# configs._SM90_FUSED_SCORES); "measured", spills inside the loops of a kernel measured faster
 # than the alternative all the same (softcap's fused backward at D=128,
 # perf-notes#fused-backward-softcap; at D=64 a window's forward without a causal mask on four
 # 64x64 CTAs per SM, perf-notes#d64-running-max-four-ctas, and ALiBi's fixed-max forward on

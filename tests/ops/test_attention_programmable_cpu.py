@@ -275,10 +275,11 @@ def test_ready_made_functions_compile_into_every_kernel(name):
     launches = [(variant, head_dim, configs.candidates(variant, "sm_90", head_dim, 2, tables)[0])
                 for variant, head_dim in launches]  # fmt: skip
     if tables == configs.ScoreTables.FUNCTIONS and not masks:
-        # D=64's forwards also run four 64x64 CTAs per SM (one warpgroup each), running max and
-        # fixed max: the special-function work beside other CTAs' matmuls.
-        launches += [(variant, 64, config) for variant in (FORWARD_LSE, FORWARD_LSE_FIXED_MAX)
-                     for config in configs.candidates(variant, "sm_90", 64, 2, tables)[1:]]  # fmt: skip
+        # D=64's forwards run every candidate, running max and fixed max, among them four 64x64
+        # CTAs per SM (one warpgroup each): the special-function work beside other CTAs' matmuls.
+        every = [(variant, 64, config) for variant in (FORWARD_LSE, FORWARD_LSE_FIXED_MAX)
+                 for config in configs.candidates(variant, "sm_90", 64, 2, tables)]  # fmt: skip
+        launches += [launch for launch in every if launch not in launches]
     with tempfile.TemporaryDirectory() as workdir:
         for variant, head_dim, config in launches:
             kernel = autotune.with_hints(programmable.user_kernel(VARIANTS[variant].kernel, functions), config)

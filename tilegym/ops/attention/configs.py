@@ -152,6 +152,12 @@ _SM90_FUSED_GROUPED = {d: [_c(64, 128, num_worker_warps=8)] for d in (64, 128)}
 # a mask (perf-notes#d64-256x64-tiles) only while the 128x128 kernel waited for each matmul
 # alone; since perf-notes#d64-serialized-matmuls 128x128 wins among single CTAs. At D=64 four
 # 64x64 CTAs per SM follow as the tuner's second candidate (perf-notes#d64-fixed-max-four-ctas).
+# ALiBi alone and a score function alone take this table too (dispatch.fixed_max_forward): at
+# D=64 both configs ran faster for ALiBi than the 128x64 CTA it had (8-18%), though 128x128 keeps
+# 5 values in local memory (causal, outside the loops) and four CTAs 4 inside them (without a
+# mask); for softcap and ALiBi as functions four CTAs read -5 to +6% (perf-notes#functions-at-d64).
+# At D=128 two 128x64 CTAs spill there (175 local loads and stores with softcap as a function:
+# the overflow check's recompute loop is a third loop body).
 _SM90_FORWARD_FIXED_MAX = {
     64: [_c(128, 128, num_worker_warps=8), _c(64, 64, occupancy=4)],
     128: [_c(128, 128, num_worker_warps=8)],
@@ -200,12 +206,7 @@ _SM90_FORWARD_FIXED_MAX_SOFTCAP = {
     64: [_c(64, 64, occupancy=4)],
     128: [_c(128, 128, num_worker_warps=8), _c(128, 64, occupancy=2)],
 }
-# ALiBi alone also takes the fixed-max forward (dispatch.fixed_max_forward), on plain attention's
-# table: at D=64, forced, one 128x128 CTA and four 64x64 CTAs took 8-18% less forward time than
-# the 128x64 CTA this table had, though 128x128 keeps 5 values in local memory (causal, outside
-# the loops) and four CTAs 4 inside them (without a mask) (perf-notes#d64-fixed-max-four-ctas).
-_SM90_FORWARD_FIXED_MAX_ALIBI = _SM90_FORWARD_FIXED_MAX
-# Its dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
+# ALiBi's dK/dV kernel at D=128 also runs plain attention's 64x64 at two CTAs per SM, first: forced
 # there, bwd -8 to -10% (perf-notes#function-dkdv), and clean since it converts integer positions.
 _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_DKDV_MODIFIED[128]]}
 # The fused backward of ALiBi, softcap or an elementwise score function alone: plain attention's
@@ -232,19 +233,11 @@ _SM90_DKDV_FUNCTIONS = _SM90_DKDV_MODIFIED | {128: [*_SM90_DKDV_MODIFIED[128], _
 # faster than one CTA (softcap and ALiBi as functions most; a relative-position table stays on
 # one CTA, twice as fast there; perf-notes#function-forward-clusters). In training, with the
 # fused backward, fwd+bwd -3 to -4% at 4096 keys, +2% (ALiBi) and -3% (softcap) at 16384
-# (perf-notes#elementwise-functions-fused). At D=64 the clusters wait for each matmul; four
-# 64x64 CTAs per SM run one CTA's special-function work beside another's matmuls (as softcap's
-# fixed max does): softcap and ALiBi as functions fwd -4 to -19% up to 4096 keys, mixed at 16384
-# (perf-notes#functions-at-d64). They replace 128x64, which the tuner had not picked.
-_SM90_FORWARD_FUNCTIONS = _SM90_FORWARD_MODIFIED | {
-    64: [_c(128, 128, num_worker_warps=8), _c(64, 64, occupancy=4)],
-    128: _SM90_FORWARD_MASKED[128],
-}
-# A causal score function's fixed-max forward (dispatch.fixed_max_forward) at D=64 tries the
-# same two (softcap as a function -5 to +6% on four CTAs, ALiBi +2 to +6%: the tuner picks). At
-# D=128 two 128x64 CTAs spill (175 local loads and stores with softcap as a function: the
-# overflow check's recompute loop is a third loop body).
-_SM90_FORWARD_FIXED_MAX_FUNCTIONS = _SM90_FORWARD_FIXED_MAX | {64: _SM90_FORWARD_FUNCTIONS[64]}
+# (perf-notes#elementwise-functions-fused). At D=64 the clusters wait for each matmul; the
+# modified table's four 64x64 CTAs per SM run one CTA's special-function work beside another's
+# matmuls: softcap and ALiBi as functions fwd -4 to -19% up to 4096 keys
+# (perf-notes#functions-at-d64).
+_SM90_FORWARD_FUNCTIONS = _SM90_FORWARD_MODIFIED | {128: _SM90_FORWARD_MASKED[128]}
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
@@ -405,7 +398,7 @@ MODIFIED_TABLES = {
 }
 # Tables that replace those for calls with ALiBi alone, a mask function alone, a score function.
 ALIBI_TABLES = {
-    **_sm90_forwards(_SM90_FORWARD_ALIBI, _SM90_FORWARD_FIXED_MAX_ALIBI),
+    **_sm90_forwards(_SM90_FORWARD_ALIBI, _SM90_FORWARD_FIXED_MAX),
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SCORES,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,
 }
@@ -418,7 +411,7 @@ MASK_TABLES = {
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
 }
 FUNCTION_TABLES = {
-    **_sm90_forwards(_SM90_FORWARD_FUNCTIONS, _SM90_FORWARD_FIXED_MAX_FUNCTIONS),
+    **_sm90_forwards(_SM90_FORWARD_FUNCTIONS, _SM90_FORWARD_FIXED_MAX),
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_FUNCTIONS,
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SCORES,
 }

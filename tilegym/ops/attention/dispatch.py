@@ -125,7 +125,8 @@ def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     arch has a table for it (16-bit inputs; fp32 and fp64 keep the running max).
     Not with int64 indexing: that twin of the fixed-max kernel compiles to a 1.7 MB cubin, where
     the running-max one is ordinary."""
-    # The variant's switches say which calls it takes.
+    # The variant's switches say which calls it takes: plain scores, ALiBi alone, a score function
+    # alone (each causal or not) or softcap alone.
     switches = problem.mods.switches
     if not VARIANTS[FORWARD_FIXED_MAX].takes_switches(switches):
         return False
@@ -134,10 +135,6 @@ def fixed_max_forward(problem: AttentionProblem, candidates) -> bool:
     if "capped" in switches:
         # No overflow check to pay for: any length, causal or not.
         return bounded_softcap(problem)
-    if not problem.causal and not switches <= {"alibi", "functions"}:
-        # ALiBi and score functions start from the key tiles on the rows' diagonal, masked
-        # (causal) or not (perf-notes#function-fixed-max-full); the other switches need causal.
-        return False
     min_keys = FIXED_MAX_FORWARD_MIN_MEAN_KEYS[configs.head_dim_tile(problem.tuning_head_dim)]
     return mean_keys_per_query(problem) >= min_keys
 

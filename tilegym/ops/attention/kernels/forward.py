@@ -196,7 +196,8 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
         bound = ct.full((tile.scoring.tiling.block_m, 1), tile.scoring.mods.softcap_log2, state.row_sum.dtype)
         state = over_segments(_loop_fixed_max, segments, ForwardState(bound, state.row_sum, state.acc), tile)
     elif fixed_max:
-        if (tile.scoring.switches.alibi or score_modified(tile.scoring.switches)) and tile.scoring.causal:
+        positional = tile.scoring.switches.alibi or score_modified(tile.scoring.switches)
+        if positional and tile.scoring.causal:
             # ALiBi lowers scores with distance: the diagonal's tiles (masked, running max) hold
             # each row's largest, which then stays fixed for the rest, farther and lower. A
             # score function (causal, as ALiBi) starts there too: recent keys are where a
@@ -204,7 +205,7 @@ def _key_loops(segments, state, tile, fixed_max: ConstBool):
             # aside.
             fast = _forward_loop(segments.full_end, segments.end, state, tile, True)
             fast = _loop_fixed_max(0, segments.full_end, fast, tile, False)
-        elif tile.scoring.switches.alibi or score_modified(tile.scoring.switches):
+        elif positional:
             # Without a mask there are no masked diagonal tiles: the unmasked key tiles under the
             # query tile's diagonal (bottom-right aligned, as causal) set the max, with a running
             # max; the others follow against it, and the keys' ragged end (masked) comes last
