@@ -218,3 +218,48 @@ def test_op_varlen_fake_implementations_give_the_shapes_of_the_real_ones(value_d
         )  # fmt: skip
         assert [tuple(g.shape) for g in grads[:4]] == [tuple(q.shape), tuple(k.shape), tuple(v.shape), (Q_HEADS,)]
         assert grads[4] == []
+
+
+# ---- the fused backward's fp32 sums ------------------------------------------------------------
+
+
+def test_op_varlen_fused_sums_cast_in_one_pass():
+    """The fused backward's fp32 dQ sum (and grouped, dK and dV sums) is laid out as the gradient
+    it is cast into: packed, rows outside heads, so copy_to is one contiguous pass; dense, [B, H,
+    S, D] contiguous as before. The cast covers every row of the gradient, which is why a
+    packed gradient cast from a sum is not zeroed first (launch._cast_from_sums)."""
+    from types import SimpleNamespace
+
+    from tilegym.autotune import TileConfig
+    from tilegym.ops.attention import launch, packing
+    from tilegym.ops.attention.configs import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED
+
+    assert launch._cast_from_sums(None) == (False, False, False)
+    assert launch._cast_from_sums(BACKWARD_FUSED) == (True, False, False)
+    assert launch._cast_from_sums(BACKWARD_FUSED_GROUPED) == (True, True, True)
+
+    launcher = SimpleNamespace(candidates=lambda name: (TileConfig(64, 128), TileConfig(128, 64)))
+    total, heads, head_dim = 300, 4, 96
+    packed = [packing.empty_rows(total, heads, head_dim, torch.empty(0, dtype=torch.bfloat16)) for _ in range(3)]
+    for gradient in packed:  # zeroed by default: rows no sequence covers
+        assert torch.equal(gradient, torch.zeros_like(gradient))
+    dense = [torch.empty(2, heads, 150, head_dim, dtype=torch.bfloat16) for _ in range(3)]
+    for gradients, rows_outside_heads in ((packed, True), (dense, False)):
+        targets = launch._fused_targets(launcher, BACKWARD_FUSED_GROUPED, *gradients)
+        assert targets.grouped
+        for total_sum, gradient in zip((targets.dq, targets.dk, targets.dv), gradients):
+            # Rows padded to whole tiles of every candidate (128), D to its tile (128).
+            assert total_sum.shape[:2] == gradient.shape[:2]
+            assert total_sum.shape[2] % 128 == 0 and total_sum.shape[2] >= gradient.shape[2]
+            assert total_sum.shape[3] == 128
+            assert (total_sum.stride(2) > total_sum.stride(1)) == rows_outside_heads
+            assert total_sum.is_contiguous() != rows_outside_heads
+        targets.zero()
+        for total_sum in (targets.dq, targets.dk, targets.dv):
+            assert torch.equal(total_sum, torch.zeros_like(total_sum))
+            total_sum.normal_()
+        poisoned = [torch.full_like(g, float("nan")) for g in gradients]
+        targets.copy_to(*poisoned)
+        for total_sum, gradient in zip((targets.dq, targets.dk, targets.dv), poisoned):
+            rows, dim = gradient.shape[2], gradient.shape[3]
+            assert torch.equal(gradient, total_sum[:, :, :rows, :dim].to(gradient.dtype))

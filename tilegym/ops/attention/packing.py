@@ -36,10 +36,12 @@ def heads_major(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(1, 0, 2).unsqueeze(0)
 
 
-def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
-    """A zeroed [total, H, D] tensor in like's dtype and device, as its heads_major view: rows no
-    sequence covers (cu_seqlens ending before total) read as zeros, in outputs and gradients."""
-    return heads_major(torch.zeros((total, heads, head_dim), dtype=like.dtype, device=like.device))
+def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor, zeroed: bool = True) -> torch.Tensor:
+    """A [total, H, D] tensor in like's dtype and device, as its heads_major view; zeroed: rows no
+    sequence covers (cu_seqlens ending before total) read as zeros, in outputs and gradients
+    (False: uninitialized, for a caller that writes every row)."""
+    make = torch.zeros if zeroed else torch.empty
+    return heads_major(make((total, heads, head_dim), dtype=like.dtype, device=like.device))
 
 
 def row_stat(problem: AttentionProblem, device, fill: float | None = None) -> torch.Tensor:
