@@ -247,7 +247,7 @@ def test_op_varlen_fused_sums_cast_in_one_pass():
     for gradients, rows_outside_heads in ((packed, True), (dense, False)):
         targets = launch._fused_targets(launcher, BACKWARD_FUSED_GROUPED, *gradients)
         assert targets.grouped
-        for total_sum, gradient in zip((targets.dq, targets.dk, targets.dv), gradients):
+        for total_sum, gradient in zip((targets.dq, targets.dk, targets.dv), gradients, strict=True):
             # Rows padded to whole tiles of every candidate (128), D to its tile (128).
             assert total_sum.shape[:2] == gradient.shape[:2]
             assert total_sum.shape[2] % 128 == 0 and total_sum.shape[2] >= gradient.shape[2]
@@ -260,6 +260,6 @@ def test_op_varlen_fused_sums_cast_in_one_pass():
             total_sum.normal_()
         poisoned = [torch.full_like(g, float("nan")) for g in gradients]
         targets.copy_to(*poisoned)
-        for total_sum, gradient in zip((targets.dq, targets.dk, targets.dv), poisoned):
+        for total_sum, gradient in zip((targets.dq, targets.dk, targets.dv), poisoned, strict=True):
             rows, dim = gradient.shape[2], gradient.shape[3]
             assert torch.equal(gradient, total_sum[:, :, :rows, :dim].to(gradient.dtype))
