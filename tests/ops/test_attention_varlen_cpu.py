@@ -11,6 +11,7 @@ TILEGYM_CHECK_VARLEN and the 0-d tensor lengths, which do, are in test_attention
 """
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tilegym
 from tilegym import tile_fmha_functional, tile_fmha_varlen
+from tilegym.autotune import TileConfig
+from tilegym.ops.attention import launch, packing
+from tilegym.ops.attention.configs import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED
 
 # Two sequences, GQA 2:1: queries of lengths 5 and 7, keys of lengths 7 and 8.
 TOTAL_Q, TOTAL_K, Q_HEADS, KV_HEADS, HEAD_DIM = 12, 15, 4, 2, 64
@@ -228,12 +232,6 @@ def test_op_varlen_fused_sums_cast_in_one_pass():
     it is cast into: packed, rows outside heads, so copy_to is one contiguous pass; dense, [B, H,
     S, D] contiguous as before. The cast covers every row of the gradient, which is why a
     packed gradient cast from a sum is not zeroed first (launch._cast_from_sums)."""
-    from types import SimpleNamespace
-
-    from tilegym.autotune import TileConfig
-    from tilegym.ops.attention import launch, packing
-    from tilegym.ops.attention.configs import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED
-
     assert launch._cast_from_sums(None) == (False, False, False)
     assert launch._cast_from_sums(BACKWARD_FUSED) == (True, False, False)
     assert launch._cast_from_sums(BACKWARD_FUSED_GROUPED) == (True, True, True)

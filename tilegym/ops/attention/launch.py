@@ -395,7 +395,7 @@ def backward(
         d_sinks = _sinks_grad_without_keys(problem, mod_tensors, d_lse) if sinks_grad else None
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
-    fused = dispatch.fused_backward(problem, launcher.candidates, _writes_bias_grad(problem, bias_grad))
+    fused = _fused_variant(launcher, bias_grad)
     dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad, fused)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
     d_aux = _aux_gradients(problem, mod_tensors, alert=True)
@@ -526,7 +526,7 @@ def compile_backward_ahead(
     if len(_compiled_ahead) > _COMPILED_AHEAD_MAX:
         _compiled_ahead.popitem(last=False)
     launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
-    fused = dispatch.fused_backward(problem, launcher.candidates, _writes_bias_grad(problem, bias_grad))
+    fused = _fused_variant(launcher, bias_grad)
     try:
         out = output(q, problem)
         lse = row_stat(problem, q.device)
@@ -553,6 +553,13 @@ def _backward_is_empty(problem: AttentionProblem) -> bool:
 def _writes_bias_grad(problem: AttentionProblem, bias_grad: bool) -> bool:
     """Whether the backward writes a bias gradient: asked for, and there is a bias."""
     return bias_grad and problem.mods.bias_mode != BIAS_NONE
+
+
+def _fused_variant(launcher: _Launcher, bias_grad: bool) -> str | None:
+    """The backward's fused variant for launcher's problem (dispatch.fused_backward), None for two
+    kernels: chosen before the gradients are allocated, which it decides how to fill."""
+    problem = launcher.problem
+    return dispatch.fused_backward(problem, launcher.candidates, _writes_bias_grad(problem, bias_grad))
 
 
 def _cast_from_sums(fused: str | None) -> tuple[bool, bool, bool]:
@@ -716,8 +723,7 @@ def _fused_targets(launcher: _Launcher, name: str, dq, dk, dv) -> GradientTarget
         return torch.empty((batch, heads, padded, tile), **where)
 
     dq_sum = padded_sum(dq, "block_m")
-    _, grouped, _ = _cast_from_sums(name)
-    if not grouped:
+    if name != BACKWARD_FUSED_GROUPED:
         return GradientTargets(dq_sum, dk, dv, grouped=False)
     return GradientTargets(dq_sum, padded_sum(dk, "block_n"), padded_sum(dv, "block_n"), grouped=True)
 
