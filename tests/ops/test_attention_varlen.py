@@ -1184,3 +1184,68 @@ def test_op_varlen_check_varlen_accepts_consistent_cu_seqlens(monkeypatch):
     monkeypatch.delenv(CHECK_VARLEN)
     unchecked = tile_fmha_varlen(batch.q, batch.k, batch.v, *batch.lengths, return_lse=True)
     assert all(torch.equal(a, b) for a, b in zip(checked, unchecked, strict=True))
+
+
+# ---- rows outside every sequence ----------------------------------------------------------------
+
+# (cu_seqlens_q, cu_seqlens_k) over 200 rows each, max_seqlen 100: consistent ones, then the
+# inconsistent forms of BAD_CU on the keys' side.
+UNCOVERED_CASES = {
+    "exact": ([0, 60, 130, 200], [0, 90, 110, 200]),
+    "spare-rows": ([0, 60, 130, 150], [0, 90, 110, 170]),
+    "keys-without-queries": ([0, 0, 70, 70, 170], [0, 40, 100, 180, 190]),
+    "queries-without-keys": ([0, 50, 120, 160], [0, 0, 80, 80]),
+    **{f"keys-{name}": ([0, 60, 130, 190], contents) for name, contents in BAD_CU.items()},
+}
+
+
+def _clamped(cu, total, max_len) -> list[tuple[int, int]]:
+    """Each sequence's rows as the kernels clamp them (kernels/packed.py clamped_rows)."""
+    rows = []
+    for s in range(len(cu) - 1):
+        start = min(max(cu[s], 0), total)
+        rows.append((start, min(max(cu[s + 1], start), total, start + max_len)))
+    return rows
+
+
+def _rows_with_gradients(cu, total, max_len, partner=None) -> torch.Tensor:
+    """bool [total]: the rows of every clamped sequence; with partner (the queries' (cu, total,
+    max_len), for keys), only of sequences that have queries."""
+    rows = torch.zeros(total, dtype=torch.bool, device=DEVICE)
+    partner_rows = None if partner is None else _clamped(*partner)
+    for s, (start, end) in enumerate(_clamped(cu, total, max_len)):
+        if partner_rows is None or partner_rows[s][1] > partner_rows[s][0]:
+            rows[start:end] = True
+    return rows
+
+
+@pytest.mark.parametrize("choice", ["auto", "fused"])
+@pytest.mark.parametrize("q_heads, kv_heads", [(3, 3), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("name", list(UNCOVERED_CASES))
+def test_op_varlen_rows_outside_sequences_written_by_the_kernels(name, q_heads, kv_heads, choice, monkeypatch):
+    """Outputs and gradients are allocated uninitialized (here over NaN): every row outside every
+    sequence (before the first, between, after the last) reads out 0, LSE -inf, dq 0, and every
+    key row outside a sequence with queries dk = dv = 0, exactly, whichever kernel wrote them (the
+    two-kernel backward; fused, with dK and dV written by its programs (mha) or cast from fp32
+    sums (gqa, causal)). Everything is finite, also with inconsistent lengths."""
+    monkeypatch.delenv(CHECK_VARLEN, raising=False)
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    cu_q, cu_k = UNCOVERED_CASES[name]
+    total, max_len = 200, 100
+    q = torch.randn(total, q_heads, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(total, kv_heads, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True) for _ in range(2))
+    lengths = [torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k)]
+    poison_cached_memory()
+    out, lse = tile_fmha_varlen(q, k, v, *lengths, max_len, max_len, is_causal=True, return_lse=True)
+    poison_cached_memory()
+    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+    query_rows = _rows_with_gradients(cu_q, total, max_len)
+    key_rows = _rows_with_gradients(cu_k, total, max_len, (cu_q, total, max_len))
+    for what, tensor in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert bool(torch.isfinite(tensor).all()), f"{what} has non-finite values"
+    assert not lse.isnan().any() and not (lse == math.inf).any(), "lse has NaN or +inf"
+    assert torch.equal(out[~query_rows], torch.zeros_like(out[~query_rows])), "out outside every sequence"
+    assert bool((lse[:, ~query_rows] == -math.inf).all()), "lse outside every sequence"
+    assert torch.equal(dq[~query_rows], torch.zeros_like(dq[~query_rows])), "dq outside every sequence"
+    for what, grad in (("dk", dk), ("dv", dv)):
+        assert torch.equal(grad[~key_rows], torch.zeros_like(grad[~key_rows])), f"{what} of keys no query sees"

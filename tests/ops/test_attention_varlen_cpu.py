@@ -21,7 +21,7 @@ import tilegym
 from tilegym import tile_fmha_functional, tile_fmha_varlen
 from tilegym.autotune import TileConfig
 from tilegym.ops.attention import launch, packing
-from tilegym.ops.attention.configs import BACKWARD_FUSED, BACKWARD_FUSED_GROUPED
+from tilegym.ops.attention.configs import BACKWARD_FUSED_GROUPED
 
 # Two sequences, GQA 2:1: queries of lengths 5 and 7, keys of lengths 7 and 8.
 TOTAL_Q, TOTAL_K, Q_HEADS, KV_HEADS, HEAD_DIM = 12, 15, 4, 2, 64
@@ -230,17 +230,12 @@ def test_op_varlen_fake_implementations_give_the_shapes_of_the_real_ones(value_d
 def test_op_varlen_fused_sums_cast_in_one_pass():
     """The fused backward's fp32 dQ sum (and grouped, dK and dV sums) is laid out as the gradient
     it is cast into: packed, rows outside heads, so copy_to is one contiguous pass; dense, [B, H,
-    S, D] contiguous as before. The cast covers every row of the gradient, which is why a
-    packed gradient cast from a sum is not zeroed first (launch._cast_from_sums)."""
-    assert launch._cast_from_sums(None) == (False, False, False)
-    assert launch._cast_from_sums(BACKWARD_FUSED) == (True, False, False)
-    assert launch._cast_from_sums(BACKWARD_FUSED_GROUPED) == (True, True, True)
+    S, D] contiguous as before. The cast covers every row of the gradient, which is why a packed
+    gradient cast from a sum needs no zeros from the kernels in its rows outside sequences."""
 
     launcher = SimpleNamespace(candidates=lambda name: (TileConfig(64, 128), TileConfig(128, 64)))
     total, heads, head_dim = 300, 4, 96
     packed = [packing.empty_rows(total, heads, head_dim, torch.empty(0, dtype=torch.bfloat16)) for _ in range(3)]
-    for gradient in packed:  # zeroed by default: rows no sequence covers
-        assert torch.equal(gradient, torch.zeros_like(gradient))
     dense = [torch.empty(2, heads, 150, head_dim, dtype=torch.bfloat16) for _ in range(3)]
     for gradients, rows_outside_heads in ((packed, True), (dense, False)):
         targets = launch._fused_targets(launcher, BACKWARD_FUSED_GROUPED, *gradients)

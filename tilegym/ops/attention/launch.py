@@ -42,7 +42,7 @@ from tilegym.ops.attention.variants import (
 
 
 def output(q: torch.Tensor, problem: AttentionProblem) -> torch.Tensor:
-    """An uninitialized, contiguous output [B, Hq, Sq, Dv] in q's dtype; packed, a zeroed
+    """An uninitialized, contiguous output [B, Hq, Sq, Dv] in q's dtype; packed, an uninitialized
     [total_q, Hq, Dv] as its [1, Hq, total_q, Dv] view (packing.empty_rows)."""
     if problem.packing:
         return packing.empty_rows(problem.packing.total_q, problem.q_heads, problem.value_dim, q)
@@ -289,6 +289,10 @@ def forward(
     if lse is None and with_lse:
         lse = row_stat(problem, device)
     if problem.is_empty:
+        if problem.packing:  # no program runs to fill the rows outside every sequence
+            out.zero_()
+            if lse is not None:
+                lse.fill_(-math.inf)
         return out, lse
     if problem.seqlen_k == 0 and not problem.packing:  # no key to attend to: every row is empty
         out.zero_()
@@ -327,8 +331,8 @@ def forward(
 def forward_packed(q, k, v, problem: AttentionProblem, with_lse: bool, mod_tensors, cu_seqlens: CuSeqlens):
     """(out [total_q, Hq, Dv], lse [Hq, total_q] or None) of a packed batch of [total, H, D]
     tensors: new tensors (no views), zeros and -inf in rows that no sequence covers."""
-    out = torch.zeros((q.shape[0], q.shape[1], problem.value_dim), dtype=q.dtype, device=q.device)
-    lse = packing.row_stat(problem, q.device, -math.inf) if with_lse else None
+    out = torch.empty((q.shape[0], q.shape[1], problem.value_dim), dtype=q.dtype, device=q.device)
+    lse = packing.row_stat(problem, q.device) if with_lse else None
     views = packing.heads_major(q), packing.heads_major(k), packing.heads_major(v)
     forward(
         *views, problem, with_lse, packing.heads_major(out), None if lse is None else lse[None], mod_tensors,
@@ -340,7 +344,7 @@ def forward_packed(q, k, v, problem: AttentionProblem, with_lse: bool, mod_tenso
 def backward_packed(d_out, q, k, v, out, lse, problem: AttentionProblem, mod_tensors, cu_seqlens, d_lse, sinks_grad):
     """backward() of a packed batch (forward_packed's tensors and their gradients): dq, dk, dv
     [total, H, D] as new tensors, zeros in rows no sequence covers."""
-    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     views = [packing.heads_major(t) for t in (d_out, q, k, v, out)]
     gradients = backward(
         *views, lse[None], problem, (packing.heads_major(dq), packing.heads_major(dk), packing.heads_major(dv)),
@@ -396,7 +400,7 @@ def backward(
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
     fused = _fused_variant(launcher, bias_grad)
-    dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad, fused)
+    dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
     d_aux = _aux_gradients(problem, mod_tensors, alert=True)
     steps, targets = _backward_steps(
@@ -530,7 +534,7 @@ def compile_backward_ahead(
     try:
         out = output(q, problem)
         lse = row_stat(problem, q.device)
-        dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad, fused)
+        dq, dk, dv, d_bias = _gradients(q, k, v, problem, None, mod_tensors, bias_grad)
         row_grads = _row_gradients(launcher, None, sinks_grad, q.device)
         # The aux gradients' buffers too: their shapes are part of the dK/dV kernel's signature.
         d_aux = _aux_gradients(problem, mod_tensors)
@@ -557,30 +561,18 @@ def _writes_bias_grad(problem: AttentionProblem, bias_grad: bool) -> bool:
 
 def _fused_variant(launcher: _Launcher, bias_grad: bool) -> str | None:
     """The backward's fused variant for launcher's problem (dispatch.fused_backward), None for two
-    kernels: chosen before the gradients are allocated, which it decides how to fill."""
+    kernels."""
     problem = launcher.problem
     return dispatch.fused_backward(problem, launcher.candidates, _writes_bias_grad(problem, bias_grad))
 
 
-def _cast_from_sums(fused: str | None) -> tuple[bool, bool, bool]:
-    """Which of dq, dk, dv the backward casts from fp32 sums over all their rows
-    (GradientTargets.copy_to) instead of writing them in its kernels: dQ fused, all three grouped."""
-    grouped = fused == BACKWARD_FUSED_GROUPED
-    return (fused is not None, grouped, grouped)
-
-
-def _gradients(
-    q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensors, bias_grad: bool, fused: str | None = None
-):
+def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensors, bias_grad: bool):
     """(dq, dk, dv, d_bias) to write: grads or new tensors; d_bias None without a bias gradient.
-    fused: the backward's fused variant (None: two kernels)."""
+    Packed, new gradients are uninitialized too: the kernels that write them zero the rows
+    outside every sequence (kernels/packed.py), and those cast from the fused backward's fp32
+    sums get every row from the cast."""
     if grads is None and problem.packing:
-        # Rows no sequence covers read as zeros. A gradient cast from a zeroed sum gets every row
-        # there, so it skips the zeroing (a pass over it: 21 us per gradient at 16384 x 2048 bf16).
-        grads = tuple(
-            packing.empty_rows(t.shape[2], t.shape[1], t.shape[3], t, zeroed=not cast)
-            for t, cast in zip((q, k, v), _cast_from_sums(fused), strict=True)
-        )
+        grads = tuple(packing.empty_rows(t.shape[2], t.shape[1], t.shape[3], t) for t in (q, k, v))
     elif grads is None:
         grads = tuple([torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)])
     mods = problem.mods

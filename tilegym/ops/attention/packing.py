@@ -36,23 +36,18 @@ def heads_major(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(1, 0, 2).unsqueeze(0)
 
 
-def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor, zeroed: bool = True) -> torch.Tensor:
-    """A [total, H, D] tensor in like's dtype and device, as its heads_major view; zeroed: rows no
-    sequence covers (cu_seqlens ending before total) read as zeros, in outputs and gradients
-    (False: uninitialized, for a caller that writes every row)."""
-    make = torch.zeros if zeroed else torch.empty
-    return heads_major(make((total, heads, head_dim), dtype=like.dtype, device=like.device))
+def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized [total, H, D] tensor in like's dtype and device, as its heads_major view.
+    The kernel writing it zeros the rows outside every sequence (kernels/packed.py)."""
+    return heads_major(torch.empty((total, heads, head_dim), dtype=like.dtype, device=like.device))
 
 
-def row_stat(problem: AttentionProblem, device, fill: float | None = None) -> torch.Tensor:
-    """A [Hq, total_q] row statistic (the LSE, Delta) of a packed problem, which the kernels take
-    as [1, Hq, total_q]: fp64 for fp64 inputs, else fp32; fill: its value where no sequence
-    writes (None: uninitialized)."""
+def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
+    """An uninitialized [Hq, total_q] row statistic (the LSE, Delta) of a packed problem, which
+    the kernels take as [1, Hq, total_q]: fp64 for fp64 inputs, else fp32. The forward kernel
+    writes -inf in the LSE of rows outside every sequence (kernels/packed.py)."""
     dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-    shape = (problem.q_heads, problem.packing.total_q)
-    if fill is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.empty((problem.q_heads, problem.packing.total_q), dtype=dtype, device=device)
 
 
 # Problems of plain packed calls (no modifier) that passed every check, by _plain_call_key: as

@@ -29,7 +29,14 @@ from tilegym.ops.attention.kernels.modifiers import (
     scores_log2,
     softcap_values,
 )
-from tilegym.ops.attention.kernels.packed import bulk_once, past_the_end, rows_of, sequence_rows
+from tilegym.ops.attention.kernels.packed import (
+    bulk_once,
+    empty_lse_around,
+    past_the_end,
+    rows_of,
+    sequence_rows,
+    zero_rows_around,
+)
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
 from tilegym.ops.attention.kernels.state import ForwardState, ForwardTile, HeadSplit, Scoring, Switches, Tiling
@@ -317,6 +324,10 @@ def attention_forward_kernel(
     seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes
     if varlen:
         q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
+        if q_tile == 0:
+            zero_rows_around(Out, CuSeqlensQ, seq, q_head, q_rows, max_seqlen_q, HeadSplit(block_dv, 0))
+            if write_lse:
+                empty_lse_around(Lse, CuSeqlensQ, seq, q_head, q_rows, max_seqlen_q)
         if past_the_end(q_tile * block_m, q_rows):
             return
         k_rows = sequence_rows(CuSeqlensK, seq, K, max_seqlen_k)

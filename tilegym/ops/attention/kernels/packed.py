@@ -8,6 +8,10 @@ The grid covers the longest sequence's tiles for every sequence: a program whose
 past its own sequence's end returns at once (past_the_end). A sequence with no keys (or no
 queries) has an empty slice of them, which its programs' loops never visit.
 
+Outputs and gradients are allocated uninitialized: the rows outside every sequence are zeroed
+by the kernel that writes the array, one program per sequence and head taking the rows before
+its sequence and, for the last sequence, after it (zero_rows_around).
+
 Lengths are clamped on the GPU, so inconsistent cumulative lengths (decreasing, past the end,
 longer than the maximum the grid was sized for) can never make a program read or write outside
 the arrays; the host checks them only on request (TILEGYM_CHECK_VARLEN).
@@ -17,9 +21,12 @@ from dataclasses import dataclass
 
 import cuda.tile as ct
 
-from tilegym.ops.attention.kernels.head import head_width
+from tilegym.ops.attention.kernels.head import head_width, head_zeros, store_head
 from tilegym.ops.attention.kernels.state import Value
-from tilegym.ops.attention.kernels.tiles import ConstBool
+from tilegym.ops.attention.kernels.tiles import NEG_INF, ConstBool
+
+# Rows per tile of the rows outside every sequence that a program zeros (zero_rows_around).
+GAP_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -79,3 +86,65 @@ def bulk_once(varlen: ConstBool, tiling):
     """
     narrow = head_width(tiling.qk) <= 128 and head_width(tiling.value) <= 128
     return not (varlen and narrow)
+
+
+@ct.function
+def zero_head_rows(array, head, start, end, split):
+    """Zeros in one head's rows [start, end) of a packed array [1, H, total, D] (D tiled as
+    split), by plain stores: a bulk copy from a slice would first build its descriptor."""
+    if end > start:
+        rows = array.slice(2, start, end)
+        zeros = head_zeros(GAP_ROWS, split, array.dtype)
+        for tile in range(ct.cdiv(end - start, GAP_ROWS)):
+            store_head(rows, 0, head, tile, zeros, GAP_ROWS, split, False)
+
+
+@ct.function
+def _fill_head_stat(stat, head, start, end, value):
+    """value in one head's rows [start, end) of a packed row statistic [1, H, total]."""
+    if end > start:
+        rows = stat.slice(2, start, end)
+        values = ct.full((1, 1, GAP_ROWS), value, stat.dtype)
+        for tile in range(ct.cdiv(end - start, GAP_ROWS)):
+            ct.store(rows, index=(0, head, tile), tile=values, allow_tma=False)
+
+
+@ct.function
+def _gap_before(CuSeqlens, seq, total, max_len):
+    """The first row after sequence seq - 1 (0 for the first sequence)."""
+    start = 0
+    if seq > 0:
+        start = clamped_rows(CuSeqlens, seq - 1, total, max_len).end
+    return start
+
+
+@ct.function
+def _is_last(CuSeqlens, seq):
+    return seq == CuSeqlens.shape[0] - 2
+
+
+@ct.function
+def zero_rows_around(array, CuSeqlens, seq, head, rows, max_len, split):
+    """Zeros in one head's rows of a packed array [1, H, total, D] that no sequence holds next to
+    sequence seq (rows: its clamped rows): from the end of sequence seq - 1 (row 0 for the
+    first) to rows.start and, after the last sequence, from rows.end to the end.
+
+    One program of each sequence and head calls it (its first tile's, before any return), so
+    that the kernel writing the array leaves no row unwritten: walking from row 0 to the end
+    through each sequence's start and end in turn, every row is crossed by a forward step,
+    which is a sequence's rows or one of these gaps. With inconsistent lengths a gap may
+    overlap another sequence's rows; the results are then undefined, but finite.
+    """
+    total = ct.astype(array.shape[2], ct.int32)
+    zero_head_rows(array, head, _gap_before(CuSeqlens, seq, total, max_len), rows.start, split)
+    if _is_last(CuSeqlens, seq):
+        zero_head_rows(array, head, rows.end, total, split)
+
+
+@ct.function
+def empty_lse_around(Lse, CuSeqlens, seq, head, rows, max_len):
+    """-inf in the LSE [1, H, total] of the rows zero_rows_around zeros: rows that see no key."""
+    total = ct.astype(Lse.shape[2], ct.int32)
+    _fill_head_stat(Lse, head, _gap_before(CuSeqlens, seq, total, max_len), rows.start, NEG_INF)
+    if _is_last(CuSeqlens, seq):
+        _fill_head_stat(Lse, head, rows.end, total, NEG_INF)
