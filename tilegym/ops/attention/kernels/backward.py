@@ -29,12 +29,12 @@ from tilegym.ops.attention.kernels.modifiers import (
     softcap_values,
 )
 from tilegym.ops.attention.kernels.packed import (
+    Rows,
     bulk_once,
     has_no_rows,
     past_the_end,
     rows_of,
     sequence_rows,
-    zero_head_rows,
     zero_rows_around,
 )
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
@@ -381,30 +381,27 @@ def attention_backward_dkdv_kernel(
     seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes
     if varlen:
         k_rows = sequence_rows(CuSeqlensK, seq, K, max_seqlen_k)
-        # dK and dV themselves (not fp32 sums, which are zeroed and cast whole): their rows
-        # outside every sequence are zeroed here.
-        writes_rows = not sum_dkdv
-        qk_split, value_split = HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, block_dv_tail)
-        if writes_rows:
+        q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
+        if not sum_dkdv:  # dK and dV themselves, not fp32 sums (zeroed, and cast whole)
             if kv_tile == 0:
+                # Zeros in the rows outside every sequence and, where no query sees the
+                # sequence's keys (its programs return below), in its own rows.
+                written = k_rows.start
+                if has_no_rows(q_rows):
+                    written = k_rows.end
+                gaps = Rows(written, k_rows.end)
                 if part != DKDV_VALUE:
-                    zero_rows_around(dK, CuSeqlensK, seq, kv_head, k_rows, max_seqlen_k, qk_split)
+                    zero_rows_around(dK, CuSeqlensK, seq, kv_head, gaps, max_seqlen_k, HeadSplit(block_d, block_d_tail))
                 if part != DKDV_KEY:
-                    zero_rows_around(dV, CuSeqlensK, seq, kv_head, k_rows, max_seqlen_k, value_split)
+                    zero_rows_around(
+                        dV, CuSeqlensK, seq, kv_head, gaps, max_seqlen_k, HeadSplit(block_dv, block_dv_tail)
+                    )
         if past_the_end(kv_tile * block_n, k_rows):
             return
-        q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
         if has_no_rows(q_rows):
-            # No query sees these keys: their gradients are zeros. Without this return, a
-            # program with an aux gradient hung on the queries' empty slice
+            # No query sees these keys: their gradients are the zeros written above. Without
+            # this return, a program with an aux gradient hung on the queries' empty slice
             # (perf-notes#packed-aux-gradients).
-            if writes_rows:
-                first = k_rows.start + kv_tile * block_n
-                last = min(first + block_n, k_rows.end)
-                if part != DKDV_VALUE:
-                    zero_head_rows(dK, kv_head, first, last, qk_split)
-                if part != DKDV_KEY:
-                    zero_head_rows(dV, kv_head, first, last, value_split)
             return
         Q, dOut, LseBase2, Delta = (
             rows_of(Q, q_rows),

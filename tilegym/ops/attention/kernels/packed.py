@@ -89,7 +89,7 @@ def bulk_once(varlen: ConstBool, tiling):
 
 
 @ct.function
-def zero_head_rows(array, head, start, end, split):
+def _zero_head_rows(array, head, start, end, split):
     """Zeros in one head's rows [start, end) of a packed array [1, H, total, D] (D tiled as
     split), by plain stores: a bulk copy from a slice would first build its descriptor."""
     if end > start:
@@ -126,8 +126,9 @@ def _is_last(CuSeqlens, seq):
 @ct.function
 def zero_rows_around(array, CuSeqlens, seq, head, rows, max_len, split):
     """Zeros in one head's rows of a packed array [1, H, total, D] that no sequence holds next to
-    sequence seq (rows: its clamped rows): from the end of sequence seq - 1 (row 0 for the
-    first) to rows.start and, after the last sequence, from rows.end to the end.
+    sequence seq: from the end of sequence seq - 1 (row 0 for the first) to rows.start and,
+    after the last sequence, from rows.end to the end. rows: sequence seq's clamped rows, or
+    an empty range at their end where the kernel writes none of them (keys without queries).
 
     One program of each sequence and head calls it (its first tile's, before any return), so
     that the kernel writing the array leaves no row unwritten: walking from row 0 to the end
@@ -136,9 +137,9 @@ def zero_rows_around(array, CuSeqlens, seq, head, rows, max_len, split):
     overlap another sequence's rows; the results are then undefined, but finite.
     """
     total = ct.astype(array.shape[2], ct.int32)
-    zero_head_rows(array, head, _gap_before(CuSeqlens, seq, total, max_len), rows.start, split)
+    _zero_head_rows(array, head, _gap_before(CuSeqlens, seq, total, max_len), rows.start, split)
     if _is_last(CuSeqlens, seq):
-        zero_head_rows(array, head, rows.end, total, split)
+        _zero_head_rows(array, head, rows.end, total, split)
 
 
 @ct.function
