@@ -388,23 +388,21 @@ def backward(
     the sinks' gradient, summed over batch and rows in a fixed order (deterministic). Packed
     (cu_seqlens, as forward), the gradients cover every row: zeros where no sequence is.
     """
+    dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
     sinks_grad = sinks_grad and problem.mods.sinks
     if not problem.wide_index and any(index_width.needs_int64(t) for t in (d_out, d_lse) if t is not None):
         problem = dataclasses.replace(problem, wide_index=True)
     if _backward_is_empty(problem):
-        dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
         for gradient in (dq, dk, dv, d_bias):
             if gradient is not None:
                 gradient.zero_()
         d_sinks = _sinks_grad_without_keys(problem, mod_tensors, d_lse) if sinks_grad else None
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
-    fused = _fused_variant(launcher, bias_grad)
-    dq, dk, dv, d_bias = _gradients(q, k, v, problem, grads, mod_tensors, bias_grad)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
     d_aux = _aux_gradients(problem, mod_tensors, alert=True)
     steps, targets = _backward_steps(
-        launcher, fused, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
+        launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
     )
     # Everything is prepared before the first launch: host work between launches would leave
     # the GPU idle after a short one.
@@ -530,7 +528,6 @@ def compile_backward_ahead(
     if len(_compiled_ahead) > _COMPILED_AHEAD_MAX:
         _compiled_ahead.popitem(last=False)
     launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
-    fused = _fused_variant(launcher, bias_grad)
     try:
         out = output(q, problem)
         lse = row_stat(problem, q.device)
@@ -539,7 +536,7 @@ def compile_backward_ahead(
         # The aux gradients' buffers too: their shapes are part of the dK/dV kernel's signature.
         d_aux = _aux_gradients(problem, mod_tensors)
         steps, _ = _backward_steps(
-            launcher, fused, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
+            launcher, out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
         )
     except torch.cuda.OutOfMemoryError:
         return
@@ -554,29 +551,17 @@ def _backward_is_empty(problem: AttentionProblem) -> bool:
     return problem.is_empty or no_keys or problem.kv_heads == 0
 
 
-def _writes_bias_grad(problem: AttentionProblem, bias_grad: bool) -> bool:
-    """Whether the backward writes a bias gradient: asked for, and there is a bias."""
-    return bias_grad and problem.mods.bias_mode != BIAS_NONE
-
-
-def _fused_variant(launcher: _Launcher, bias_grad: bool) -> str | None:
-    """The backward's fused variant for launcher's problem (dispatch.fused_backward), None for two
-    kernels."""
-    problem = launcher.problem
-    return dispatch.fused_backward(problem, launcher.candidates, _writes_bias_grad(problem, bias_grad))
-
-
 def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensors, bias_grad: bool):
     """(dq, dk, dv, d_bias) to write: grads or new tensors; d_bias None without a bias gradient.
     Packed, new gradients are uninitialized too: the kernels that write them zero the rows
     outside every sequence (kernels/packed.py), and those cast from the fused backward's fp32
     sums get every row from the cast."""
     if grads is None and problem.packing:
-        grads = tuple(packing.empty_rows(t.shape[2], t.shape[1], t.shape[3], t) for t in (q, k, v))
+        grads = tuple([packing.empty_rows(t.shape[2], t.shape[1], t.shape[3], t) for t in (q, k, v)])
     elif grads is None:
         grads = tuple([torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)])
     mods = problem.mods
-    if not _writes_bias_grad(problem, bias_grad):
+    if not bias_grad or mods.bias_mode == BIAS_NONE:
         return (*grads, None)
     rows = 1 if mods.bias_mode == score_mods.BIAS_ONE_ROW else problem.seqlen_q
     shape = (problem.batch, problem.q_heads, rows, problem.seqlen_k)
@@ -594,7 +579,6 @@ def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensor
 
 def _backward_steps(
     launcher: _Launcher,
-    fused: str | None,
     d_out,
     q,
     k,
@@ -616,6 +600,7 @@ def _backward_steps(
     device = q.device
 
     delta, lse_base2 = row_stat(problem, device), row_stat(problem, device)
+    fused = dispatch.fused_backward(problem, launcher.candidates, d_bias is not None)
     d_lse, partial = row_grads.d_lse, row_grads.d_sinks_partial
     lse_grad = {"DLse": _or_unused(d_lse, device, 3), "lse_grad": d_lse is not None}
     # Whichever kernel writes the row statistics (the dQ kernel, or the fused backward's

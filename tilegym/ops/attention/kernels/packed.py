@@ -89,46 +89,45 @@ def bulk_once(varlen: ConstBool, tiling):
 
 
 @ct.function
-def _zero_head_rows(array, head, start, end, split):
-    """Zeros in one head's rows [start, end) of a packed array [1, H, total, D] (D tiled as
-    split), by plain stores: a bulk copy from a slice would first build its descriptor."""
-    if end > start:
-        rows = array.slice(2, start, end)
+def _zero_head_rows(array, head, gap, split):
+    """Zeros in one head's rows gap (Rows) of a packed array [1, H, total, D] (D tiled as split),
+    by plain stores: a bulk copy from a slice would first build its descriptor."""
+    if gap.end > gap.start:
+        rows = rows_of(array, gap)
         zeros = head_zeros(GAP_ROWS, split, array.dtype)
-        for tile in range(ct.cdiv(end - start, GAP_ROWS)):
+        for tile in range(ct.cdiv(gap.end - gap.start, GAP_ROWS)):
             store_head(rows, 0, head, tile, zeros, GAP_ROWS, split, False)
 
 
 @ct.function
-def _fill_head_stat(stat, head, start, end, value):
-    """value in one head's rows [start, end) of a packed row statistic [1, H, total]."""
-    if end > start:
-        rows = stat.slice(2, start, end)
+def _fill_head_stat(stat, head, gap, value):
+    """value in one head's rows gap (Rows) of a packed row statistic [1, H, total]."""
+    if gap.end > gap.start:
+        rows = rows_of(stat, gap)
         values = ct.full((1, 1, GAP_ROWS), value, stat.dtype)
-        for tile in range(ct.cdiv(end - start, GAP_ROWS)):
+        for tile in range(ct.cdiv(gap.end - gap.start, GAP_ROWS)):
             ct.store(rows, index=(0, head, tile), tile=values, allow_tma=False)
 
 
 @ct.function
-def _gap_before(CuSeqlens, seq, total, max_len):
-    """The first row after sequence seq - 1 (0 for the first sequence)."""
+def _gaps_around(CuSeqlens, seq, rows, total, max_len):
+    """(before, after): the rows no sequence holds next to sequence seq, given its rows (see
+    zero_rows_around): from the end of sequence seq - 1 (row 0 for the first) to rows.start,
+    and from rows.end to the end after the last sequence (empty after any other)."""
     start = 0
     if seq > 0:
         start = clamped_rows(CuSeqlens, seq - 1, total, max_len).end
-    return start
-
-
-@ct.function
-def _is_last(CuSeqlens, seq):
-    return seq == CuSeqlens.shape[0] - 2
+    end = rows.end
+    if seq == CuSeqlens.shape[0] - 2:
+        end = total
+    return Rows(start, rows.start), Rows(rows.end, end)
 
 
 @ct.function
 def zero_rows_around(array, CuSeqlens, seq, head, rows, max_len, split):
     """Zeros in one head's rows of a packed array [1, H, total, D] that no sequence holds next to
-    sequence seq: from the end of sequence seq - 1 (row 0 for the first) to rows.start and,
-    after the last sequence, from rows.end to the end. rows: sequence seq's clamped rows, or
-    an empty range at their end where the kernel writes none of them (keys without queries).
+    sequence seq (_gaps_around). rows: sequence seq's clamped rows, or an empty range at their
+    end where the kernel writes none of them (keys without queries).
 
     One program of each sequence and head calls it (its first tile's, before any return), so
     that the kernel writing the array leaves no row unwritten: walking from row 0 to the end
@@ -136,16 +135,14 @@ def zero_rows_around(array, CuSeqlens, seq, head, rows, max_len, split):
     which is a sequence's rows or one of these gaps. With inconsistent lengths a gap may
     overlap another sequence's rows; the results are then undefined, but finite.
     """
-    total = ct.astype(array.shape[2], ct.int32)
-    _zero_head_rows(array, head, _gap_before(CuSeqlens, seq, total, max_len), rows.start, split)
-    if _is_last(CuSeqlens, seq):
-        _zero_head_rows(array, head, rows.end, total, split)
+    before, after = _gaps_around(CuSeqlens, seq, rows, ct.astype(array.shape[2], ct.int32), max_len)
+    _zero_head_rows(array, head, before, split)
+    _zero_head_rows(array, head, after, split)
 
 
 @ct.function
 def empty_lse_around(Lse, CuSeqlens, seq, head, rows, max_len):
     """-inf in the LSE [1, H, total] of the rows zero_rows_around zeros: rows that see no key."""
-    total = ct.astype(Lse.shape[2], ct.int32)
-    _fill_head_stat(Lse, head, _gap_before(CuSeqlens, seq, total, max_len), rows.start, NEG_INF)
-    if _is_last(CuSeqlens, seq):
-        _fill_head_stat(Lse, head, rows.end, total, NEG_INF)
+    before, after = _gaps_around(CuSeqlens, seq, rows, ct.astype(Lse.shape[2], ct.int32), max_len)
+    _fill_head_stat(Lse, head, before, NEG_INF)
+    _fill_head_stat(Lse, head, after, NEG_INF)
