@@ -76,51 +76,85 @@ class _Launcher(TunedLauncher):
         forced = autotune.forced_candidates(kernel_name)
         if forced is not None:
             return forced
-        problem = self.problem
-        scores = configs.score_tables(problem.mods.switches)
-        return configs.candidates(
-            kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, scores, problem.value_dim
-        )
+        return _table_candidates(self.problem, self.arch, kernel_name)
 
     def tuned(self, name: str, values: dict, before_each=None, packed_as_one=False) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
         switches and the config's tile sizes; the grid follows the variant's tiles and heads.
         packed_as_one: a packed problem's arrays run as one dense batch entry of all their rows:
         the packing arguments in values become the dense placeholders, the grid one entry."""
-        variant = VARIANTS[name]
-        problem = self.problem
+        form = _launch_form(self.problem, name, packed_as_one)
         if packed_as_one:
             dense = _dense_packing_arguments(self.device)
             values = {**values, **{key: dense[key] for key in values.keys() & dense.keys()}}
-        kernel = variant.kernel
-        takes_user = "block_sparse" in parameter_names(kernel)
-        if takes_user:
-            kernel = programmable.user_kernel(kernel, problem.mods.user)
-        kernel = index_width.wide(kernel) if problem.wide_index else kernel
-        seqlen = problem.seqlen_q if variant.tiles == "query" else problem.seqlen_k
-        heads = problem.q_heads if variant.heads == "query" else problem.kv_heads
-        block = "block_m" if variant.tiles == "query" else "block_n"
-        late = ("block_m", "block_n", "MaskCounts", "MaskTiles") if takes_user else ("block_m", "block_n")
-        value_tiles = value_tile_arguments(problem.value_dim, parameter_names(kernel))
-        named = NamedArguments(kernel, {**values, **value_tiles, **variant.fixed}, late=late)
-        mask = self.block_mask
-
-        tiles = packing.tiles if problem.packing else lambda length, size: math.ceil(length / size)
-        batch = problem.batch
-        if packed_as_one:
-            seqlen = problem.packing.total_q if variant.tiles == "query" else problem.packing.total_k
-            batch = 1
+        named = NamedArguments(form.kernel, {**values, **form.fixed}, late=form.late)
+        problem, mask, device = self.problem, self.block_mask, self.device
 
         def grid(config):
-            return (tiles(seqlen, getattr(config, block)), heads, batch)
+            return form.grid(getattr(config, form.block))
 
         def arguments(config):
-            if not takes_user:
+            if not form.takes_user:
                 return named(block_m=config.block_m, block_n=config.block_n)
-            lists = _tile_list_arguments(problem, mask, config, variant.tiles == "key", self.device)
+            lists = _tile_list_arguments(problem, mask, config, form.block == "block_n", device)
             return named(block_m=config.block_m, block_n=config.block_n, **lists)
 
-        return autotune.TunedKernel(name, kernel, grid, arguments, before_each)
+        return autotune.TunedKernel(name, form.kernel, grid, arguments, before_each)
+
+
+@lru_cache(maxsize=4096)
+def _table_candidates(problem: AttentionProblem, arch: str, kernel_name: str) -> tuple:
+    """A problem's configs of one kernel from the tables (configs.candidates); a call asks for
+    several kernels' lists, so they are found by the problem."""
+    scores = configs.score_tables(problem.mods.switches)
+    return configs.candidates(kernel_name, arch, problem.head_dim, problem.dtype.itemsize, scores, problem.value_dim)
+
+
+@dataclass(frozen=True)
+class _LaunchForm:
+    """What launching a variant for one problem takes that no call's tensors change, worked out
+    once per problem (_launch_form): a call's host time is on the GPU's critical path in short
+    steps (perf-notes#host-work-memoized)."""
+
+    kernel: object  # the variant's kernel, the caller's functions inlined, its int64 twin if needed
+    fixed: MappingProxyType  # the variant's pinned switches and V's head-dim tiles
+    late: tuple[str, ...]  # the arguments each config gives
+    takes_user: bool  # the kernel takes the caller's functions' arguments
+    block: str  # the config's tile along grid axis 0: "block_m" (query tiles) or "block_n"
+    rows: int  # rows along grid axis 0 (packed per sequence: the longest sequence's)
+    heads: int
+    batch: int
+    packed: bool  # tiles counted as packing.tiles does (at least one)
+
+    def grid(self, block: int) -> tuple[int, int, int]:
+        tiles = packing.tiles(self.rows, block) if self.packed else math.ceil(self.rows / block)
+        return tiles, self.heads, self.batch
+
+
+@lru_cache(maxsize=1024)
+def _launch_form(problem: AttentionProblem, name: str, packed_as_one: bool) -> _LaunchForm:
+    variant = VARIANTS[name]
+    kernel = variant.kernel
+    takes_user = "block_sparse" in parameter_names(kernel)
+    if takes_user:
+        kernel = programmable.user_kernel(kernel, problem.mods.user)
+    kernel = index_width.wide(kernel) if problem.wide_index else kernel
+    query_tiles = variant.tiles == "query"
+    rows, batch = (problem.seqlen_q if query_tiles else problem.seqlen_k), problem.batch
+    if packed_as_one:
+        rows, batch = (problem.packing.total_q if query_tiles else problem.packing.total_k), 1
+    late = ("block_m", "block_n", "MaskCounts", "MaskTiles") if takes_user else ("block_m", "block_n")
+    return _LaunchForm(
+        kernel=kernel,
+        fixed=MappingProxyType({**value_tile_arguments(problem.value_dim, parameter_names(kernel)), **variant.fixed}),
+        late=late,
+        takes_user=takes_user,
+        block="block_m" if query_tiles else "block_n",
+        rows=rows,
+        heads=problem.q_heads if variant.heads == "query" else problem.kv_heads,
+        batch=batch,
+        packed=problem.packing is not None,
+    )
 
 
 def _packing_arguments(problem: AttentionProblem, cu_seqlens: CuSeqlens | None, device) -> dict:
@@ -154,13 +188,21 @@ def value_tile_arguments(value_dim: int, names: tuple[str, ...]) -> dict:
 
 def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placeholder: torch.Tensor) -> dict:
     """The score modifiers' kernel arguments by name: tensors, runtime values, compile-time switches."""
+    return {
+        "Bias": placeholder if tensors.bias is None else tensors.bias,
+        "Slopes": _or_unused(tensors.slopes, placeholder.device, 2),
+        **_modifier_values(problem),
+    }
+
+
+@lru_cache(maxsize=1024)
+def _modifier_values(problem: AttentionProblem) -> MappingProxyType:
+    """_modifier_arguments' values that are not tensors: the same for every call of a problem."""
     mods = problem.mods
     cap = mods.softcap or 1.0
     rule = mask_rule(problem)
     block_d, block_d_tail = configs.head_dim_tiles(problem.head_dim)
-    return {
-        "Bias": placeholder if tensors.bias is None else tensors.bias,
-        "Slopes": _or_unused(tensors.slopes, placeholder.device, 2),
+    return MappingProxyType({
         **split_arguments(softcap_in=problem.softmax_scale / cap, softcap=cap),
         "window_left": rule.window_left,
         "window_right": rule.window_right,
@@ -172,7 +214,7 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
         "query_group_size": problem.query_group_size,
         "block_d": block_d,
         "block_d_tail": block_d_tail,
-    }
+    })  # fmt: skip
 
 
 def _tile_list_arguments(problem: AttentionProblem, mask: BlockMask | None, config, key_major: bool, device):

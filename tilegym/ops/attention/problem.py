@@ -2,7 +2,7 @@
 checks that refuse bad input with an error naming the argument, before anything launches."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 import torch
@@ -51,6 +51,19 @@ class AttentionProblem:
     head_dim_v: int | None = None
     # A packed variable-length batch (None: dense [B, H, S, D] tensors).
     packing: Packing | None = None
+
+    def __hash__(self) -> int:
+        # A call looks its problem up in a dozen memos (shape key, configs, launch forms); the
+        # hash dataclass would generate walks every field, the modifiers' too, each time.
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash(tuple(getattr(self, field.name) for field in fields(self)))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self) -> dict:
+        # String hashes differ between processes: an unpickled problem finds its hash again.
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
 
     @property
     def value_dim(self) -> int:
