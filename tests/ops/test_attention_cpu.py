@@ -10,7 +10,7 @@ import cuda.tile as ct
 import pytest
 import torch
 
-from tilegym import index_width, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
+from tilegym import autotune, index_width, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import configs, dispatch, launch, programmable, score_functions, score_mods
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
@@ -269,6 +269,35 @@ def test_op_split_float_is_exact_to_fp64_rounding():
 def test_op_shape_key_rounds_sequence_lengths():
     problem = problem_mod.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, True)
     assert problem.shape_key("sm_90") == "sm_90|bfloat16|d128|g4|causal|sq1024|sk2048"
+
+
+def test_op_problem_keeps_its_hash_but_not_across_pickling():
+    """Memos find a call's problem by its hash: kept once computed, equal for equal problems, the
+    hash of its fields, and found again (not carried) by a pickled copy."""
+    import pickle
+
+    mods = ScoreMods(window=(64, 0), softcap=30.0)
+    make = lambda: problem_mod.AttentionProblem(2, 8, 2, 1000, 1025, 128, torch.bfloat16, 0.1, True, mods)  # noqa: E731
+    problem, twin = make(), make()
+    fields = tuple(getattr(problem, field.name) for field in dataclasses.fields(problem))
+    assert hash(problem) == hash(twin) == hash(fields)
+    assert problem.__dict__["_hash"] == hash(fields)
+    copy = pickle.loads(pickle.dumps(problem))
+    assert "_hash" not in copy.__dict__ and copy == problem and hash(copy) == hash(problem)
+    other = dataclasses.replace(problem, causal=False)
+    assert other != problem and hash(other) == hash((*fields[:8], False, *fields[9:]))
+
+
+def test_op_forced_configs_win_over_a_problems_table():
+    """A problem's config lists are found once, but force_config still decides while it holds."""
+    problem = problem_mod.AttentionProblem(2, 8, 8, 4096, 4096, 128, torch.bfloat16, 0.1, True)
+    launcher = _RecordingLauncher(problem, torch.device("cpu"))
+    table = configs.candidates(launch.BACKWARD_DQ, "sm_90", 128, 2)
+    assert launcher.candidates(launch.BACKWARD_DQ) == table
+    forced = autotune.TileConfig(block_m=64, block_n=32)
+    with autotune.force_config(launch.BACKWARD_DQ, forced):
+        assert launcher.candidates(launch.BACKWARD_DQ) == (forced,)
+    assert launcher.candidates(launch.BACKWARD_DQ) == table
 
 
 # ---- reference ----------------------------------------------------------------------------
