@@ -22,6 +22,7 @@ SCRIPTS = [
     "bench_varlen.py",
     "compare_configs.py",
     "first_call.py",
+    "host_time.py",
     "profile_training_step.py",
     "replot.py",
 ]
@@ -64,6 +65,14 @@ def test_cli_help_prints_and_starts_nothing(script):
         assert rest or re.search(r"\S {2,}\S", first), entry
     if len(entries) > 1:
         assert "(default: " in options
+
+
+def test_cli_host_time_stubbed_runs_without_a_gpu():
+    # The stubbed launch path must keep working as launch.py changes: it is how trees are compared.
+    run, _ = _run("host_time.py", "--stubbed", "--calls", "2", "--rounds", "1", blocked=())
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2 and all("launch.forward + launch.backward, stubbed:" in line for line in lines)
 
 
 def test_cli_examples_do_not_write_into_the_shipped_results():

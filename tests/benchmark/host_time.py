@@ -1,0 +1,138 @@
+"""Host time to issue one training call (perf-notes#host-work-memoized), two ways.
+
+On a GPU, ours and SDPA's cuDNN backend: the forward, the backward (`torch.autograd.grad` on a
+kept graph) and both, with the GPU kept asleep so that only the host is timed, the median of
+rounds of back-to-back calls. The host's own time moves by up to half between processes, so
+compare trees in alternating processes, several each:
+
+    python tests/benchmark/host_time.py
+
+With --stubbed, any machine, no GPU: our launch path alone (`launch.forward` then
+`launch.backward`, plain scores) with cuTile's launch and the GPU's facts stubbed, on CPU
+tensors, the least of rounds; steadier than the GPU machine's host, for comparing trees:
+
+    python tests/benchmark/host_time.py --stubbed
+
+Prints microseconds per call; writes no files.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.benchmark import bench_utils  # noqa: E402
+from tests.benchmark.bench_utils import Shape  # noqa: E402
+
+# The training benchmark's shortest rows, where a call's host time nears its GPU time.
+SHAPES = [
+    Shape(16, 16, 16, 1024, 1024, 128, True, "bfloat16"),
+    Shape(16, 32, 32, 1024, 1024, 64, False, "bfloat16"),
+]
+_ASLEEP_CYCLES = 300_000_000  # about 0.17 s of GPU time: longer than a round of calls takes to issue
+
+
+def _label(shape: Shape) -> str:
+    return f"B={shape.batch} H={shape.q_heads} S={shape.seqlen_q} {shape.series}"
+
+
+def _rounds_us(call, calls: int, rounds: int, asleep: bool) -> list[float]:
+    """Microseconds per call of each round of `calls` back-to-back calls."""
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        if asleep:
+            torch.cuda._sleep(_ASLEEP_CYCLES)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        if asleep:
+            torch.cuda.synchronize()
+    return sorted(times)
+
+
+def _training_calls(attention, inputs: tuple, d_out) -> dict:
+    """The forward, the backward of one kept graph, and both, as calls without arguments."""
+    import torch
+
+    out = attention(*inputs)
+    return {
+        "fwd": lambda: attention(*inputs),
+        "bwd": lambda: torch.autograd.grad(out, inputs, d_out, retain_graph=True),
+        "fwd+bwd": lambda: torch.autograd.grad(attention(*inputs), inputs, d_out),
+    }
+
+
+def _on_the_gpu(calls: int, rounds: int) -> None:
+    import torch
+
+    for shape in SHAPES:
+        q, k, v = bench_utils.make_inputs(shape, requires_grad=True)
+        d_out = torch.randn_like(q)
+        for provider in ("cutile", "cudnn"):
+            attention = bench_utils.attention_fn(provider, shape, training=True)
+            for _ in range(3):  # compiles and tunes outside the timing
+                torch.autograd.grad(attention(q, k, v), (q, k, v), d_out)
+            torch.cuda.synchronize()
+            modes = _training_calls(attention, (q, k, v), d_out)
+            medians = {mode: _rounds_us(call, calls, rounds, asleep=True) for mode, call in modes.items()}
+            row = "  ".join(f"{mode} {times[len(times) // 2]:6.0f}" for mode, times in medians.items())
+            print(f"{_label(shape):36s} {provider:7s} host us per call, median of {rounds} rounds: {row}", flush=True)
+
+
+def _launch_path(launch, problem, q, k, v, d_out):
+    """launch.forward, then launch.backward, of one problem, as a call without arguments."""
+
+    def step():
+        out, lse = launch.forward(q, k, v, problem, with_lse=True)
+        launch.backward(d_out, q, k, v, out, lse, problem)
+
+    return step
+
+
+def _stubbed(calls: int, rounds: int) -> None:
+    os.environ["DISABLE_AUTOTUNE"] = "1"  # each kernel's first config: tuning would time on a GPU
+    import cuda.tile as ct
+    import torch
+
+    from tilegym import cuda_context, launching
+    from tilegym.ops.attention import launch
+    from tilegym.ops.attention.problem import AttentionProblem
+
+    launching.device_facts = lambda index: ("NVIDIA H100 80GB HBM3", "sm_90", ct.__version__)
+    launching.current_stream_handle = lambda index: 0
+    cuda_context.ensure_current = lambda index: None
+    ct.launch = lambda stream, grid, kernel, arguments: None
+    for shape in SHAPES:
+        dtype = getattr(torch, shape.dtype)
+        problem = AttentionProblem(
+            shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim, dtype,
+            shape.head_dim**-0.5, shape.causal,
+        )  # fmt: skip
+        # Small tensors: the launch path reads their layout, the stubbed launch nothing else.
+        step = _launch_path(launch, problem, *(torch.randn(1, 1, 16, shape.head_dim, dtype=dtype) for _ in range(4)))
+        for _ in range(10):
+            step()
+        times = _rounds_us(step, calls, rounds, asleep=False)
+        print(f"{_label(shape):36s} launch.forward + launch.backward, stubbed: {times[0]:6.1f} us (least of {rounds})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
+    p.add_argument("--stubbed", action="store_true", help="time our launch path alone, without a GPU")
+    p.add_argument("--calls", type=int, default=40, help="back-to-back calls per round")
+    p.add_argument("--rounds", type=int, default=7, help="rounds per measurement")
+    args = p.parse_args()
+    if args.stubbed:
+        _stubbed(args.calls, args.rounds)
+    else:
+        _on_the_gpu(args.calls, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
