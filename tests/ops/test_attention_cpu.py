@@ -289,7 +289,7 @@ def test_op_problem_keeps_its_hash_but_not_across_pickling():
 
 
 def test_op_forced_configs_win_over_a_problems_table():
-    """A problem's config lists are found once, but force_config still decides while it holds."""
+    """force_config decides a launcher's config lists while it holds, the tables before and after."""
     problem = problem_mod.AttentionProblem(2, 8, 8, 4096, 4096, 128, torch.bfloat16, 0.1, True)
     launcher = _RecordingLauncher(problem, torch.device("cpu"))
     table = configs.candidates(launch.BACKWARD_DQ, "sm_90", 128, 2)

@@ -76,7 +76,11 @@ class _Launcher(TunedLauncher):
         forced = autotune.forced_candidates(kernel_name)
         if forced is not None:
             return forced
-        return _table_candidates(self.problem, self.arch, kernel_name)
+        problem = self.problem
+        scores = configs.score_tables(problem.mods.switches)
+        return configs.candidates(
+            kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, scores, problem.value_dim
+        )
 
     def tuned(self, name: str, values: dict, before_each=None, packed_as_one=False) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
@@ -102,14 +106,6 @@ class _Launcher(TunedLauncher):
         return autotune.TunedKernel(name, form.kernel, grid, arguments, before_each)
 
 
-@lru_cache(maxsize=4096)
-def _table_candidates(problem: AttentionProblem, arch: str, kernel_name: str) -> tuple:
-    """A problem's configs of one kernel from the tables (configs.candidates); a call asks for
-    several kernels' lists, so they are found by the problem."""
-    scores = configs.score_tables(problem.mods.switches)
-    return configs.candidates(kernel_name, arch, problem.head_dim, problem.dtype.itemsize, scores, problem.value_dim)
-
-
 @dataclass(frozen=True)
 class _LaunchForm:
     """What launching a variant for one problem takes that no call's tensors change, worked out
@@ -121,7 +117,7 @@ class _LaunchForm:
     late: tuple[str, ...]  # the arguments each config gives
     takes_user: bool  # the kernel takes the caller's functions' arguments
     block: str  # the config's tile along grid axis 0: "block_m" (query tiles) or "block_n"
-    rows: int  # rows along grid axis 0 (packed per sequence: the longest sequence's)
+    rows: int  # rows along grid axis 0 (packed: the longest sequence's; packed as one: all rows)
     heads: int
     batch: int
     packed: bool  # tiles counted as packing.tiles does (at least one)
