@@ -393,7 +393,7 @@ def test_threads_on_a_new_shape_tune_it_once(monkeypatch, tmp_path):
 
     def launch_on(stream):
         start.wait()
-        chosen[stream] = autotune.launch_tuned(_FakeLaunch, candidates, "shape", cache, stream)
+        chosen[stream] = autotune.launch_tuned(_FakeLaunch, candidates, "shape", cache, stream).config
 
     threads = [threading.Thread(target=launch_on, args=(stream,)) for stream in range(4)]
     for thread in threads:

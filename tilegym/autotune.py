@@ -256,7 +256,7 @@ def _locked(path: Path):
             os.close(descriptor)  # releases the lock
 
 
-_CACHE_DIR_VARIABLES = ("TILEGYM_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
+CACHE_DIR_VARIABLES = ("TILEGYM_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
 _caches: dict[tuple, TuneCache] = {}
 _caches_by_path: dict[Path, TuneCache] = {}  # one object per file, however its dir was named
 
@@ -267,7 +267,7 @@ def tune_cache(device_name: str, cutile_version: str) -> TuneCache:
     Every launch asks for it, so it is found by the environment values that decide the
     cache dir rather than by building the path again (a fifth of a launch's host time).
     """
-    key = (device_name, cutile_version, *(os.environ.get(name) for name in _CACHE_DIR_VARIABLES))
+    key = (device_name, cutile_version, *(os.environ.get(name) for name in CACHE_DIR_VARIABLES))
     cache = _caches.get(key)
     if cache is None:
         directory = usable_cache_dir()
@@ -475,7 +475,27 @@ def _compile_ahead(launch: TunedKernel, configs: Sequence[TileConfig]) -> None:
             start(launch.args(config))
 
 
-def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream: int):
+@dataclass(frozen=True)
+class Launched:
+    """One launch as launch_tuned made it: the config, the kernel with its hints, the grid and the
+    arguments, and the memo entry of the choice (still_chosen)."""
+
+    config: TileConfig
+    kernel: object
+    grid: tuple[int, ...]
+    arguments: tuple
+    memo_key: tuple
+    chosen: tuple
+
+    def still_chosen(self) -> bool:
+        """Whether launch_tuned would still launch this config and kernel: a choice is forgotten
+        by force_config and by clearing the memo."""
+        return _chosen.get(self.memo_key) is self.chosen
+
+
+def launch_tuned(
+    launch: TunedKernel, candidates: Sequence[TileConfig], shape_key: str, cache: TuneCache, stream: int
+) -> Launched:
     """Choose the config (see choose_config), once per shape key, and launch the kernel with it
     on the CUDA stream with this handle (an int, as ct.launch takes it)."""
     import cuda.tile as ct
@@ -488,5 +508,6 @@ def launch_tuned(launch: TunedKernel, candidates: Sequence[TileConfig], shape_ke
     config, kernel = chosen
     if launch.reset is not None:
         launch.reset()
-    ct.launch(stream, launch.grid(config), kernel, launch.args(config))
-    return config
+    grid, arguments = launch.grid(config), launch.args(config)
+    ct.launch(stream, grid, kernel, arguments)
+    return Launched(config, kernel, grid, arguments, memo_key, chosen)

@@ -149,8 +149,8 @@ class TunedLauncher:
     def candidates(self, kernel_name: str) -> tuple[autotune.TileConfig, ...]:
         raise NotImplementedError
 
-    def launch(self, launch: autotune.TunedKernel) -> None:
-        autotune.launch_tuned(launch, self.candidates(launch.name), self.shape_key, self.cache, self.stream)
+    def launch(self, launch: autotune.TunedKernel) -> autotune.Launched:
+        return autotune.launch_tuned(launch, self.candidates(launch.name), self.shape_key, self.cache, self.stream)
 
     def compile_ahead(self, launch: autotune.TunedKernel) -> None:
         autotune.compile_ahead(launch, self.candidates(launch.name), self.shape_key, self.cache)

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import torch
 
-from tilegym import autotune, index_width
+from tilegym import autotune, cuda_context, index_width, launching
 from tilegym.launching import (
     NamedArguments,
     TunedLauncher,
@@ -21,7 +21,7 @@ from tilegym.launching import (
     parameter_names,
     split_arguments,
 )
-from tilegym.ops.attention import aux_gradients, configs, dispatch, packing, programmable, score_mods
+from tilegym.ops.attention import aux_gradients, configs, dispatch, packing, prepared, programmable, score_mods
 from tilegym.ops.attention.block_mask import BlockMask, MaskRule
 from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
@@ -287,13 +287,19 @@ def classify_tiles(mask: BlockMask, block_m: int, block_n: int, rule: MaskRule) 
     return kinds
 
 
+# The ids of _unused's tensors, which a prepared launch keeps as they are (prepared.py).
+_PLACEHOLDERS: set[int] = set()
+
+
 @cache
 def _unused(device: torch.device, ndim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An array argument a kernel does not touch under its switches (ALiBi slopes without
     ALiBi, the forward's LSE when it writes none, sinks, the sinks' and the LSE's gradients,
     the cumulative lengths of a dense batch): one zero of the argument's rank and dtype, made
-    once per device."""
-    return torch.zeros((1,) * ndim, dtype=dtype, device=device)
+    once per device (and kept: _PLACEHOLDERS holds its id)."""
+    placeholder = torch.zeros((1,) * ndim, dtype=dtype, device=device)
+    _PLACEHOLDERS.add(id(placeholder))
+    return placeholder
 
 
 def _or_unused(tensor: torch.Tensor | None, device: torch.device, ndim: int) -> torch.Tensor:
@@ -341,6 +347,12 @@ def forward(
                 lse.copy_(mod_tensors.sinks.reshape(1, -1, 1).expand_as(lse))
         return out, lse
 
+    roles = _forward_roles(q, k, v, out, lse, mod_tensors, cu_seqlens)
+    key = _plan_key("forward", problem, device, roles[4:]) if _preparable(problem, mod_tensors) else None
+    plan = None if key is None else prepared.find(key)
+    if plan is not None and _replay(plan, roles, device):
+        return out, lse
+
     q, softmax_scale = _positive_scale(q, problem)
     launcher = _Launcher(problem, device, mod_tensors.block_mask)
     fixed_max = dispatch.fixed_max_forward(problem, launcher.candidates)
@@ -362,8 +374,38 @@ def forward(
     }
     values.update(_user_arguments(mod_tensors, device))
     with programmable.naming_errors(problem.mods.user):
-        launcher.launch(launcher.tuned(name, values))
+        launched = launcher.launch(launcher.tuned(name, values))
+    if key is not None:
+        # Where _positive_scale copied q, the launch's Q is no role: nothing is prepared.
+        plan = prepared.prepare((launched,), roles, _PLACEHOLDERS, ((),))
+        if plan is not None:
+            prepared.keep(key, plan)
     return out, lse
+
+
+def _forward_roles(q, k, v, out, lse, mod_tensors: ModTensors, cu_seqlens: CuSeqlens | None) -> tuple:
+    """A forward's tensors in the order its prepared launches name them (prepared.py): the
+    call's own, then those of its score modifiers and packing."""
+    packed = (None, None) if cu_seqlens is None else (cu_seqlens.q, cu_seqlens.k)
+    return (q, k, v, out, lse, mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed)
+
+
+def _preparable(problem: AttentionProblem, mod_tensors: ModTensors) -> bool:
+    """Whether a call's launches may be prepared (prepared.py): not with the caller's functions,
+    whose kernels take per-call tile lists and tensors."""
+    return problem.mods.user is None and mod_tensors.block_mask is None and not mod_tensors.aux
+
+
+def _plan_key(step: str, problem: AttentionProblem, device, optional: tuple) -> tuple:
+    """A plan's key: the step, the problem, the device, which optional tensors (score modifiers,
+    packing) the call has, and the launcher class (a stand-in one makes and finds no plans)."""
+    return prepared.plan_key(_Launcher, step, problem, device, tuple(t is None for t in optional))
+
+
+def _replay(plan, roles: tuple, device) -> bool:
+    """Launches a plan's templates (prepared.replay) on the device's current stream."""
+    cuda_context.ensure_current(device.index or 0)  # the autograd thread may have no context
+    return prepared.replay(plan, roles, launching.current_stream_handle(device.index))
 
 
 def forward_packed(q, k, v, problem: AttentionProblem, with_lse: bool, mod_tensors, cu_seqlens: CuSeqlens):
@@ -436,19 +478,37 @@ def backward(
                 gradient.zero_()
         d_sinks = _sinks_grad_without_keys(problem, mod_tensors, d_lse) if sinks_grad else None
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
-    launcher = _Launcher(problem, q.device, mod_tensors.block_mask)
-    row_grads = _row_gradients(launcher, d_lse, sinks_grad, q.device)
+    d_out, q, k, v, out = (addressable(t) for t in (d_out, q, k, v, out))
+    device = q.device
+    key = None
+    # Prepared (prepared.py) without the extra outputs, whose buffers and sums are per call.
+    if d_bias is None and d_lse is None and not sinks_grad and _preparable(problem, mod_tensors):
+        packed = (None, None) if cu_seqlens is None else (cu_seqlens.q, cu_seqlens.k)
+        key = _plan_key("backward", problem, device, (mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed))
+        plan = prepared.find(key)
+        if plan is not None:
+            workspaces = plan.workspaces(problem, dq, dk, dv)
+            roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, mod_tensors, cu_seqlens)
+            if _replay(plan.launches, roles, device):
+                workspaces.targets.copy_to(dq, dk, dv)
+                return Gradients(dq, dk, dv)
+    launcher = _Launcher(problem, device, mod_tensors.block_mask)
+    row_grads = _row_gradients(launcher, d_lse, sinks_grad, device)
     d_aux = _aux_gradients(problem, mod_tensors, alert=True)
-    steps, targets = _backward_steps(
+    steps, workspaces = _backward_steps(
         launcher, d_out, q, k, v, out, lse, dq, dk, dv, d_bias, mod_tensors, row_grads, cu_seqlens, d_aux
     )
     # Everything is prepared before the first launch: host work between launches would leave
     # the GPU idle after a short one.
     with programmable.naming_errors(problem.mods.user):
-        for step in steps:
-            launcher.launch(step)
-    if targets.dq is not dq:  # the fused backward summed into fp32 targets
-        targets.copy_to(dq, dk, dv)
+        launched = [launcher.launch(step) for step in steps]
+    targets = workspaces.targets
+    if key is not None:
+        roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, mod_tensors, cu_seqlens)
+        plan = _BackwardPlan.of(launched, steps, roles, workspaces, dq)
+        if plan is not None:
+            prepared.keep(key, plan)
+    targets.copy_to(dq, dk, dv)
     d_sinks = row_grads.d_sinks_partial.sum(dim=(0, 2)) if sinks_grad else None
     d_aux = None if d_aux is None else tuple(aux_gradients.sums(buffer) for buffer in d_aux)
     return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks, d_aux)
@@ -632,7 +692,7 @@ def _backward_steps(
     cu_seqlens=None,
     d_aux=None,
 ):
-    """The backward's launches, in order, and where they write dQ, dK and dV."""
+    """The backward's launches, in order, and its workspaces (where they write dQ, dK and dV)."""
     problem = launcher.problem
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
     device = q.device
@@ -687,7 +747,7 @@ def _backward_steps(
             row_grads.reset,
             packed_as_one,
         )  # fmt: skip
-        return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), targets
+        return (preprocess, launcher.tuned(fused, dkdv_values, targets.zero)), _Workspaces(delta, lse_base2, targets)
     # Two kernels: the dQ kernel writes the row statistics of its query tile, so it runs first.
     dq_values = {**shared, "Out": out, "Lse": lse, "dQ": targets.dq, **lse_grad, **sinks_grad}
     dq_step = launcher.tuned(BACKWARD_DQ, dq_values, row_grads.reset)
@@ -696,7 +756,7 @@ def _backward_steps(
         dkdv_steps = (launcher.tuned(BACKWARD_DV, dkdv_values), launcher.tuned(BACKWARD_DK, dkdv_values, reset_aux))
     else:
         dkdv_steps = (launcher.tuned(BACKWARD_DKDV, dkdv_values, reset_aux),)
-    return (dq_step, *dkdv_steps), targets
+    return (dq_step, *dkdv_steps), _Workspaces(delta, lse_base2, targets)
 
 
 @dataclass(frozen=True)
@@ -715,7 +775,10 @@ class GradientTargets:
             total.zero_()
 
     def copy_to(self, dq, dk, dv) -> None:
-        """Casts the sums into the gradients [B, H, S, D] (packed: [1, H, total, D])."""
+        """Casts the sums into the gradients [B, H, S, D] (packed: [1, H, total, D]); nothing
+        where the kernels wrote the gradients themselves."""
+        if self.dq is dq:
+            return
         pairs = ((dq, self.dq), (dk, self.dk), (dv, self.dv)) if self.grouped else ((dq, self.dq),)
         for gradient, total in pairs:
             gradient.copy_(total[:, :, : gradient.shape[2], : gradient.shape[3]])
@@ -741,6 +804,67 @@ def _fused_targets(launcher: _Launcher, name: str, dq, dk, dv) -> GradientTarget
     if name != BACKWARD_FUSED_GROUPED:
         return GradientTargets(dq_sum, dk, dv, grouped=False)
     return GradientTargets(dq_sum, padded_sum(dk, "block_n"), padded_sum(dv, "block_n"), grouped=True)
+
+
+@dataclass(frozen=True)
+class _Workspaces:
+    """A backward call's row statistics (Delta, the base-2 LSE) and where its kernels write the
+    gradients."""
+
+    delta: torch.Tensor
+    lse_base2: torch.Tensor
+    targets: GradientTargets
+
+
+# The roles of the fused backward's sums among _backward_roles: the dQ sum, then dK's and dV's.
+_SUM_ROLES = (8, 9, 10)
+
+
+def _backward_roles(d_out, q, k, v, out, lse, workspaces: _Workspaces, mod_tensors: ModTensors, cu_seqlens) -> tuple:
+    """A backward's tensors in the order its prepared launches name them (prepared.py). The
+    kernels see the gradients only as the targets (the gradients themselves, or sums)."""
+    targets = workspaces.targets
+    packed = (None, None) if cu_seqlens is None else (cu_seqlens.q, cu_seqlens.k)
+    return (
+        d_out, q, k, v, out, lse, workspaces.delta, workspaces.lse_base2, targets.dq, targets.dk, targets.dv,
+        mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _BackwardPlan:
+    """A backward's prepared launches (prepared.py) and the layout of the fused backward's sums
+    (size, stride, dtype of each; none for two kernels), made afresh for each call."""
+
+    launches: tuple[prepared.PreparedLaunch, ...]
+    sums: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+
+    @classmethod
+    def of(cls, launched, steps, roles: tuple, workspaces: _Workspaces, dq) -> "_BackwardPlan | None":
+        """The plan of a backward that launched steps (launched: what each launch returned);
+        None where it cannot be replayed (prepared.prepare, or a reset other than the sums')."""
+        targets = workspaces.targets
+        sums = () if targets.dq is dq else (targets.dq, targets.dk, targets.dv)[: 3 if targets.grouped else 1]
+        zeroed = []
+        for step in steps:
+            if step.reset is not None and step.reset != targets.zero:
+                return None
+            zeroed.append(() if step.reset is None else _SUM_ROLES[: len(sums)])
+        launches = prepared.prepare(launched, roles, _PLACEHOLDERS, zeroed)
+        if launches is None:
+            return None
+        return cls(launches, tuple((tuple(t.shape), t.stride(), t.dtype) for t in sums))
+
+    def workspaces(self, problem: AttentionProblem, dq, dk, dv) -> _Workspaces:
+        device = dq.device
+        sums = [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride, dtype in self.sums]
+        if not sums:
+            targets = GradientTargets(dq, dk, dv, grouped=False)
+        elif len(sums) == 1:
+            targets = GradientTargets(sums[0], dk, dv, grouped=False)
+        else:
+            targets = GradientTargets(*sums, grouped=True)
+        return _Workspaces(row_stat(problem, device), row_stat(problem, device), targets)
 
 
 def _caller_bias_grad(d_bias, mods: ScoreMods, mod_tensors: ModTensors):
