@@ -1,4 +1,4 @@
-"""Host time to issue one training call (perf-notes#host-work-memoized), two ways.
+"""Host time to issue one training call (perf-notes#host-work-memoized, #prepared-launches), two ways.
 
 On a GPU, ours and SDPA's cuDNN backend: the forward, the backward (`torch.autograd.grad` on a
 kept graph) and both, with the GPU kept asleep so that only the host is timed, the median of
@@ -9,9 +9,11 @@ compare trees in alternating processes, several each:
 
 With --stubbed, any machine, no GPU: our launch path alone (`launch.forward` then
 `launch.backward`, plain scores) with cuTile's launch and the GPU's facts stubbed, on CPU
-tensors, the least of rounds; steadier than the GPU machine's host, for comparing trees:
+tensors, the least of rounds; steadier than the GPU machine's host, for comparing trees. After
+the first calls these replay their prepared launches; --unprepared drops the plans before each
+call, timing the launch path that builds them:
 
-    python tests/benchmark/host_time.py --stubbed
+    python tests/benchmark/host_time.py --stubbed [--unprepared]
 
 Prints microseconds per call; writes no files.
 """
@@ -85,17 +87,23 @@ def _on_the_gpu(calls: int, rounds: int) -> None:
             print(f"{_label(shape):36s} {provider:7s} host us per call, median of {rounds} rounds: {row}", flush=True)
 
 
-def _launch_path(launch, problem, q, k, v, d_out):
-    """launch.forward, then launch.backward, of one problem, as a call without arguments."""
+def _launch_path(launch, problem, q, k, v, d_out, unprepared: bool):
+    """launch.forward, then launch.backward, of one problem, as a call without arguments;
+    unprepared: each without a prepared launch."""
+    from tilegym.ops.attention import prepared
 
     def step():
+        if unprepared:
+            prepared._plans.clear()
         out, lse = launch.forward(q, k, v, problem, with_lse=True)
+        if unprepared:
+            prepared._plans.clear()
         launch.backward(d_out, q, k, v, out, lse, problem)
 
     return step
 
 
-def _stubbed(calls: int, rounds: int) -> None:
+def _stubbed(calls: int, rounds: int, unprepared: bool) -> None:
     os.environ["DISABLE_AUTOTUNE"] = "1"  # each kernel's first config: tuning would time on a GPU
     import cuda.tile as ct
     import torch
@@ -115,21 +123,24 @@ def _stubbed(calls: int, rounds: int) -> None:
             shape.head_dim**-0.5, shape.causal,
         )  # fmt: skip
         # Small tensors: the launch path reads their layout, the stubbed launch nothing else.
-        step = _launch_path(launch, problem, *(torch.randn(1, 1, 16, shape.head_dim, dtype=dtype) for _ in range(4)))
+        tensors = (torch.randn(1, 1, 16, shape.head_dim, dtype=dtype) for _ in range(4))
+        step = _launch_path(launch, problem, *tensors, unprepared)
         for _ in range(10):
             step()
         times = _rounds_us(step, calls, rounds, asleep=False)
-        print(f"{_label(shape):36s} launch.forward + launch.backward, stubbed: {times[0]:6.1f} us (least of {rounds})")
+        path = "unprepared" if unprepared else "stubbed"
+        print(f"{_label(shape):36s} launch.forward + launch.backward, {path}: {times[0]:6.1f} us (least of {rounds})")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
     p.add_argument("--stubbed", action="store_true", help="time our launch path alone, without a GPU")
+    p.add_argument("--unprepared", action="store_true", help="with --stubbed: no prepared launches")
     p.add_argument("--calls", type=int, default=40, help="back-to-back calls per round")
     p.add_argument("--rounds", type=int, default=7, help="rounds per measurement")
     args = p.parse_args()
     if args.stubbed:
-        _stubbed(args.calls, args.rounds)
+        _stubbed(args.calls, args.rounds, args.unprepared)
     else:
         _on_the_gpu(args.calls, args.rounds)
 

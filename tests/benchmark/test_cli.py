@@ -67,12 +67,14 @@ def test_cli_help_prints_and_starts_nothing(script):
         assert "(default: " in options
 
 
-def test_cli_host_time_stubbed_runs_without_a_gpu():
+@pytest.mark.parametrize("path", ["stubbed", "unprepared"])
+def test_cli_host_time_stubbed_runs_without_a_gpu(path):
     # The stubbed launch path must keep working as launch.py changes: it is how trees are compared.
-    run, _ = _run("host_time.py", "--stubbed", "--calls", "2", "--rounds", "1", blocked=())
+    flags = ("--stubbed", "--unprepared") if path == "unprepared" else ("--stubbed",)
+    run, _ = _run("host_time.py", *flags, "--calls", "2", "--rounds", "1", blocked=())
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert len(lines) == 2 and all("launch.forward + launch.backward, stubbed:" in line for line in lines)
+    assert len(lines) == 2 and all(f"launch.forward + launch.backward, {path}:" in line for line in lines)
 
 
 def test_cli_examples_do_not_write_into_the_shipped_results():
