@@ -287,8 +287,9 @@ def classify_tiles(mask: BlockMask, block_m: int, block_n: int, rule: MaskRule) 
     return kinds
 
 
-# The ids of _unused's tensors, which a prepared launch keeps as they are (prepared.py).
-_PLACEHOLDERS: set[int] = set()
+# _unused's tensors by id, which a prepared launch keeps as they are (prepared.py); held here
+# too, so that no other tensor can take the id of one that two threads made at once.
+_PLACEHOLDERS: dict[int, torch.Tensor] = {}
 
 
 @cache
@@ -298,7 +299,7 @@ def _unused(device: torch.device, ndim: int, dtype: torch.dtype = torch.float32)
     the cumulative lengths of a dense batch): one zero of the argument's rank and dtype, made
     once per device (and kept: _PLACEHOLDERS holds its id)."""
     placeholder = torch.zeros((1,) * ndim, dtype=dtype, device=device)
-    _PLACEHOLDERS.add(id(placeholder))
+    _PLACEHOLDERS[id(placeholder)] = placeholder
     return placeholder
 
 
