@@ -348,8 +348,9 @@ def forward(
                 lse.copy_(mod_tensors.sinks.reshape(1, -1, 1).expand_as(lse))
         return out, lse
 
-    roles = _forward_roles(q, k, v, out, lse, mod_tensors, cu_seqlens)
-    key = _plan_key("forward", problem, device, roles[4:]) if _preparable(problem, mod_tensors) else None
+    optional = _optional_tensors(mod_tensors, cu_seqlens)
+    roles = (q, k, v, out, lse, *optional)
+    key = _plan_key("forward", problem, device, (lse, *optional)) if _preparable(problem, mod_tensors) else None
     plan = None if key is None else prepared.find(key)
     if plan is not None and _replay(plan, roles, device):
         return out, lse
@@ -384,11 +385,11 @@ def forward(
     return out, lse
 
 
-def _forward_roles(q, k, v, out, lse, mod_tensors: ModTensors, cu_seqlens: CuSeqlens | None) -> tuple:
-    """A forward's tensors in the order its prepared launches name them (prepared.py): the
-    call's own, then those of its score modifiers and packing."""
+def _optional_tensors(mod_tensors: ModTensors, cu_seqlens: CuSeqlens | None) -> tuple:
+    """A call's tensors of its score modifiers and packing, None where it has none: the last
+    roles of its prepared launches (prepared.py), after the call's own tensors."""
     packed = (None, None) if cu_seqlens is None else (cu_seqlens.q, cu_seqlens.k)
-    return (q, k, v, out, lse, mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed)
+    return (mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed)
 
 
 def _preparable(problem: AttentionProblem, mod_tensors: ModTensors) -> bool:
@@ -398,8 +399,9 @@ def _preparable(problem: AttentionProblem, mod_tensors: ModTensors) -> bool:
 
 
 def _plan_key(step: str, problem: AttentionProblem, device, optional: tuple) -> tuple:
-    """A plan's key: the step, the problem, the device, which optional tensors (score modifiers,
-    packing) the call has, and the launcher class (a stand-in one makes and finds no plans)."""
+    """A plan's key: the step, the problem, the device, which optional tensors (the forward's
+    LSE, score modifiers, packing) the call has, and the launcher class (a stand-in one makes
+    and finds no plans)."""
     return prepared.plan_key(_Launcher, step, problem, device, tuple(t is None for t in optional))
 
 
@@ -481,15 +483,14 @@ def backward(
         return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
     d_out, q, k, v, out = (addressable(t) for t in (d_out, q, k, v, out))
     device = q.device
-    key = None
+    key, optional = None, _optional_tensors(mod_tensors, cu_seqlens)
     # Prepared (prepared.py) without the extra outputs, whose buffers and sums are per call.
     if d_bias is None and d_lse is None and not sinks_grad and _preparable(problem, mod_tensors):
-        packed = (None, None) if cu_seqlens is None else (cu_seqlens.q, cu_seqlens.k)
-        key = _plan_key("backward", problem, device, (mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed))
+        key = _plan_key("backward", problem, device, optional)
         plan = prepared.find(key)
         if plan is not None:
             workspaces = plan.workspaces(problem, dq, dk, dv)
-            roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, mod_tensors, cu_seqlens)
+            roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, optional)
             if _replay(plan.launches, roles, device):
                 workspaces.targets.copy_to(dq, dk, dv)
                 return Gradients(dq, dk, dv)
@@ -505,7 +506,7 @@ def backward(
         launched = [launcher.launch(step) for step in steps]
     targets = workspaces.targets
     if key is not None:
-        roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, mod_tensors, cu_seqlens)
+        roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, optional)
         plan = _BackwardPlan.of(launched, steps, roles, workspaces, dq)
         if plan is not None:
             prepared.keep(key, plan)
@@ -821,14 +822,14 @@ class _Workspaces:
 _SUM_ROLES = (8, 9, 10)
 
 
-def _backward_roles(d_out, q, k, v, out, lse, workspaces: _Workspaces, mod_tensors: ModTensors, cu_seqlens) -> tuple:
-    """A backward's tensors in the order its prepared launches name them (prepared.py). The
-    kernels see the gradients only as the targets (the gradients themselves, or sums)."""
+def _backward_roles(d_out, q, k, v, out, lse, workspaces: _Workspaces, optional: tuple) -> tuple:
+    """A backward's tensors in the order its prepared launches name them (prepared.py), the
+    optional ones (_optional_tensors) last. The kernels see the gradients only as the targets
+    (the gradients themselves, or sums)."""
     targets = workspaces.targets
-    packed = (None, None) if cu_seqlens is None else (cu_seqlens.q, cu_seqlens.k)
     return (
         d_out, q, k, v, out, lse, workspaces.delta, workspaces.lse_base2, targets.dq, targets.dk, targets.dv,
-        mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed,
+        *optional,
     )  # fmt: skip
 
 
