@@ -75,24 +75,25 @@ def test_op_modified_configs_run_on_single_ctas():
                     configs.ScoreTables.MASKS,
                     configs.ScoreTables.FUNCTIONS,
                     configs.ScoreTables.SOFTCAP,
+                    configs.ScoreTables.WINDOW,
                 )
                 for own in own_tables:
                     assert configs.candidates(kernel, arch, head_dim, 2, own), (kernel, arch, own)
 
 
 def test_op_score_tables_follow_the_switches():
-    """ALiBi alone, a mask function alone, a score function and softcap alone pick their own
-    tables; anything else the modified ones."""
+    """ALiBi alone, a mask function alone, a score function, softcap alone and a window alone
+    pick their own tables; anything else the modified ones."""
     assert configs.score_tables(frozenset()) == configs.ScoreTables.PLAIN
     assert configs.score_tables(frozenset({"alibi"})) == configs.ScoreTables.ALIBI
     assert configs.score_tables(frozenset({"masks"})) == configs.ScoreTables.MASKS
     for functions in ({"functions"}, {"functions", "masks"}):
         assert configs.score_tables(frozenset(functions)) == configs.ScoreTables.FUNCTIONS
     assert configs.score_tables(frozenset({"capped"})) == configs.ScoreTables.SOFTCAP
+    assert configs.score_tables(frozenset({"windowed"})) == configs.ScoreTables.WINDOW
     for other in (
         {"alibi", "windowed"},
         {"capped", "alibi"},
-        {"windowed"},
         {"functions", "alibi"},
         {"masks", "capped"},
     ):
@@ -623,6 +624,8 @@ def _undeclared_alibi(score, b, h, q_idx, kv_idx, aux):
     return score - ct.gather(aux[0], h) * ct.abs(ct.astype(q_idx - kv_idx, score.dtype))
 
 
+# A window that lets a query see MIN_FUSED keys, as many as "auto" asks of the fused backward.
+_WIDE_WINDOW = (MIN_FUSED // 2, MIN_FUSED // 2)
 _UNDECLARED = ScoreMods(user=programmable.user_functions(_undeclared_alibi, score_functions.additive_grad))
 _TABLE = score_functions.relative_position_bias(torch.zeros(2, 9), 4)
 _FROZEN_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"], _TABLE["score_mod_grad"]))
@@ -633,9 +636,10 @@ _LEARNED_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"],
 @pytest.mark.parametrize(
     "mods, head_dim, fused",
     [
-        (ScoreMods(window=(64, 0)), 128, True),  # a window only hides scores: the fused tables compile clean
-        (ScoreMods(window=(64, 0), sinks=True), 96, True),
-        (ScoreMods(window=(64, 0)), 64, False),  # lost at D=64 (FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
+        (ScoreMods(window=_WIDE_WINDOW), 128, True),  # a window only hides scores: the fused tables compile clean
+        (ScoreMods(window=_WIDE_WINDOW, sinks=True), 96, True),
+        (ScoreMods(window=_WIDE_WINDOW), 64, False),  # lost at D=64 (FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
+        (ScoreMods(window=(64, 0)), 128, False),  # two kernels win below MIN_FUSED keys (dispatch.WINDOW_ALONE)
         (ScoreMods(softcap=2.0), 128, True),  # spills inside its loops, measured faster all the same
         (ScoreMods(softcap=2.0), 64, True),  # FUSED_SCORES_HEAD_DIM_TILES, on 64x128 tiles
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
@@ -656,6 +660,7 @@ _LEARNED_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"],
         "window",
         "window-sinks-d96",
         "window-d64",
+        "short-window",
         "softcap",
         "softcap-d64",
         "window-softcap",
@@ -689,7 +694,7 @@ def test_op_fused_backward_takes_only_the_switches_it_compiles_with(monkeypatch,
     assert values["alibi"] is mods.alibi
     assert values["capped"] is bool(mods.softcap)
     if mods.window is not None:
-        assert values["windowed"] is True and (values["window_left"], values["window_right"]) == (64, 0)
+        assert values["windowed"] is True and (values["window_left"], values["window_right"]) == mods.window
 
 
 @pytest.mark.parametrize(
@@ -1066,6 +1071,26 @@ def test_op_packed_backward_design_choice(monkeypatch, head_dim, causal, mods, f
     )
     chosen = dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False)
     assert chosen == (configs.BACKWARD_FUSED if fused else None)
+
+
+@pytest.mark.parametrize(
+    "causal, window, fused",
+    [(True, (1023, 0), False), (True, (2047, 0), True), (False, (1024, 1024), True), (False, (511, 512), False)],
+    ids=["causal-1024", "causal-2048", "full-2049", "full-1024"],
+)
+def test_op_window_backward_design_choice(monkeypatch, causal, window, fused):
+    """ "auto" with a window alone, dense, at D=128 and 16384 keys: two kernels where a query sees
+    fewer than FUSED_BACKWARD_MIN_SEQLEN_K keys (dispatch.WINDOW_ALONE), the fused backward from
+    there on; packed windows keep the fused one (test_op_packed_backward_design_choice)."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
+    assert window[0] + window[1] + 1 in (1024, 2048, 2049)
+    problem = problem_mod.AttentionProblem(
+        1, 2, 2, 16384, 16384, 128, torch.bfloat16, 0.125, causal, ScoreMods(window=window)
+    )
+    chosen = dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False)
+    assert chosen == (configs.BACKWARD_FUSED if fused else None)
+    monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
+    assert dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False) is not None
 
 
 def test_op_dense_launches_carry_no_packing(monkeypatch):

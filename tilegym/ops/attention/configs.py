@@ -238,6 +238,13 @@ _SM90_DKDV_FUNCTIONS = _SM90_DKDV_MODIFIED | {128: [*_SM90_DKDV_MODIFIED[128], _
 # matmuls: softcap and ALiBi as functions fwd -4 to -19% up to 4096 keys
 # (perf-notes#functions-at-d64).
 _SM90_FORWARD_FUNCTIONS = _SM90_FORWARD_MODIFIED | {128: _SM90_FORWARD_MASKED[128]}
+# A sliding window alone (sinks allowed) only hides scores, as a mask function does: at D=128 its
+# forward on plain attention's CTA clusters took 6-9% less time than one CTA (a 1024-key window,
+# causal, 4096 and 16384 keys), and its dK/dV kernel runs plain attention's 64x64 tiles at two CTAs
+# per SM (compiled clean), where two kernels beat the fused backward (dispatch.fused_backward).
+# At D=64 the clusters as a third candidate made the forward 15-22% slower at 16384 keys (the tuner
+# took them without a mask): the modified table's four CTAs stay (perf-notes#window-tables).
+_SM90_FORWARD_WINDOW = _SM90_FORWARD_FUNCTIONS
 # The preprocess (the fused backward's row statistics) is a row reduction, memory bound: one
 # config per head dim, never tuned.
 _PREPROCESS = {32: [_c(128)], 64: [_c(128)], 128: [_c(64)], 256: [_c(32)]}
@@ -359,6 +366,7 @@ class ScoreTables(Enum):
     MASKS = "masks"  # MASK_TABLES where they name the kernel, else as MODIFIED
     FUNCTIONS = "functions"  # FUNCTION_TABLES where they name the kernel, else as MODIFIED
     SOFTCAP = "softcap"  # SOFTCAP_TABLES where they name the kernel, else as MODIFIED
+    WINDOW = "window"  # WINDOW_TABLES where they name the kernel, else as MODIFIED
     MODIFIED = "modified"  # MODIFIED_TABLES where they name the kernel, else TABLES; single CTAs
 
 
@@ -369,13 +377,14 @@ _OWN_TABLES = {
     frozenset({"functions"}): ScoreTables.FUNCTIONS,
     frozenset({"functions", "masks"}): ScoreTables.FUNCTIONS,
     frozenset({"capped"}): ScoreTables.SOFTCAP,
+    frozenset({"windowed"}): ScoreTables.WINDOW,
 }
 
 
 def score_tables(switches: frozenset) -> ScoreTables:
     """The tables for a call's score switches (score_mods.ScoreMods.switches): ALiBi alone, a
-    mask function alone, a score function (with or without a mask) and softcap alone have their
-    own."""
+    mask function alone, a score function (with or without a mask), softcap alone and a sliding
+    window alone have their own."""
     if not switches:
         return ScoreTables.PLAIN
     return _OWN_TABLES.get(switches, ScoreTables.MODIFIED)
@@ -419,12 +428,17 @@ SOFTCAP_TABLES = {
     **_sm90_forwards(_SM90_FORWARD_SOFTCAP, _SM90_FORWARD_FIXED_MAX_SOFTCAP),
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SCORES,
 }
+WINDOW_TABLES = {
+    **_sm90_forwards(_SM90_FORWARD_WINDOW),
+    ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
+}
 SCORE_TABLES = {
     ScoreTables.MODIFIED: MODIFIED_TABLES,
     ScoreTables.ALIBI: ALIBI_TABLES,
     ScoreTables.MASKS: MASK_TABLES,
     ScoreTables.FUNCTIONS: FUNCTION_TABLES,
     ScoreTables.SOFTCAP: SOFTCAP_TABLES,
+    ScoreTables.WINDOW: WINDOW_TABLES,
 }
 
 
@@ -441,8 +455,8 @@ def candidates(
     score switches pick (score_tables); value_dim: V's head dim where it differs from head_dim
     (the tables of the wider, unless PAIR_TABLES hold the pair).
 
-    With score modifiers no config runs on CTA clusters outside the tables of ALiBi, a mask or
-    softcap alone, or a score function (measured there on sm_90): the two-CTA forward faulted on
+    With score modifiers no config runs on CTA clusters outside the tables of ALiBi, a mask,
+    softcap or a window alone, or a score function (measured there on sm_90): the two-CTA forward faulted on
     a misaligned address with a one-row bias on Hopper (perf-notes#forward-cta-clusters).
     Cached: every launch asks.
     """

@@ -30,6 +30,12 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # +10%, D=64 causal -6%; perf-notes#fused-backward-packed), and a mask function (a document
 # mask at 16384 keys: bwd -11%; perf-notes#fused-backward-masks). Keyed by head-dim tile.
 FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
+# A sliding window alone, dense, whose keys per query fall short of FUSED_BACKWARD_MIN_SEQLEN_K
+# runs two kernels: on plain attention's dK/dV tiles at two CTAs per SM (configs.WINDOW_TABLES)
+# they beat the fused backward at D=128 with a 1024-key window (bwd -4 to -9%, fwd+bwd -1 to -6%,
+# causal, 4096 and 16384 keys; perf-notes#window-tables). Wider windows keep it, as plain
+# attention's lengths do.
+WINDOW_ALONE = frozenset({"windowed"})
 # Packed without a causal mask (nor a window or a mask function) the fused backward also won at
 # D=64: bwd -4 to -5%, fwd+bwd -3 to -8% (causal: +6%; perf-notes#fused-backward-packed).
 FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
@@ -72,7 +78,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     (the order of the fp32 sums varies between runs); "auto" also needs
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
     function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
-    FUSED_PACKED_FULL_HEAD_DIM_TILES); ALiBi alone as plain attention (D=128: bwd 5-22% faster
+    FUSED_PACKED_FULL_HEAD_DIM_TILES), and a window alone dense only where it spans
+    FUSED_BACKWARD_MIN_SEQLEN_K keys (WINDOW_ALONE); ALiBi alone as plain attention (D=128: bwd 5-22% faster
     than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
     declared elementwise without an aux gradient, only dense at a head dim in
     FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form. Causal grouped-query attention takes
@@ -99,6 +106,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return None
     if choice == "fused":
         return name
+    if problem.packing is None and switches == WINDOW_ALONE and window_span(problem) < FUSED_BACKWARD_MIN_SEQLEN_K:
+        return None
     masks = "masks" in problem.mods.switches
     hidden = problem.mods.window is not None or masks
     if problem.packing is not None and not (problem.causal or hidden):
@@ -107,6 +116,15 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     elif (hidden or problem.packing is not None) and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
         return None
     return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
+
+
+def window_span(problem: AttentionProblem) -> int:
+    """Keys a query row of a windowed call sees at most: left + right + 1, or seqlen_k where a side
+    is unbounded (-1)."""
+    left, right = problem.mods.window
+    if left < 0 or right < 0:
+        return problem.seqlen_k
+    return min(left + right + 1, problem.seqlen_k)
 
 
 def split_dkdv(problem: AttentionProblem, candidates) -> bool:
