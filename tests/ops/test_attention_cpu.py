@@ -1081,7 +1081,8 @@ def test_op_packed_backward_design_choice(monkeypatch, head_dim, causal, mods, f
 def test_op_window_backward_design_choice(monkeypatch, causal, window, fused):
     """ "auto" with a window alone, dense, at D=128 and 16384 keys: two kernels where a query sees
     fewer than FUSED_BACKWARD_MIN_SEQLEN_K keys (dispatch.WINDOW_ALONE), the fused backward from
-    there on; packed windows keep the fused one (test_op_packed_backward_design_choice)."""
+    there on; causal query groups and packed windows (test_op_packed_backward_design_choice) keep
+    the fused one."""
     monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
     assert window[0] + window[1] + 1 in (1024, 2048, 2049)
     problem = problem_mod.AttentionProblem(
@@ -1091,6 +1092,11 @@ def test_op_window_backward_design_choice(monkeypatch, causal, window, fused):
     assert chosen == (configs.BACKWARD_FUSED if fused else None)
     monkeypatch.setenv("TILEGYM_BACKWARD", "fused")
     assert dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False) is not None
+    if causal:
+        monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
+        grouped = dataclasses.replace(problem, q_heads=8)  # causal query groups keep their grouped form
+        chosen = dispatch.fused_backward(grouped, _RecordingLauncher(grouped, "cpu").candidates, False)
+        assert chosen == configs.BACKWARD_FUSED_GROUPED
 
 
 def test_op_dense_launches_carry_no_packing(monkeypatch):

@@ -456,8 +456,9 @@ def candidates(
     (the tables of the wider, unless PAIR_TABLES hold the pair).
 
     With score modifiers no config runs on CTA clusters outside the tables of ALiBi, a mask,
-    softcap or a window alone, or a score function (measured there on sm_90): the two-CTA forward faulted on
-    a misaligned address with a one-row bias on Hopper (perf-notes#forward-cta-clusters).
+    softcap or a window alone, or a score function (measured there on sm_90): the two-CTA
+    forward faulted on a misaligned address with a one-row bias on Hopper
+    (perf-notes#forward-cta-clusters).
     Cached: every launch asks.
     """
     value_dim = head_dim if value_dim is None else value_dim

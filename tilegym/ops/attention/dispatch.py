@@ -34,7 +34,7 @@ FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 # runs two kernels: on plain attention's dK/dV tiles at two CTAs per SM (configs.WINDOW_TABLES)
 # they beat the fused backward at D=128 with a 1024-key window (bwd -4 to -9%, fwd+bwd -1 to -6%,
 # causal, 4096 and 16384 keys; perf-notes#window-tables). Wider windows keep it, as plain
-# attention's lengths do.
+# attention's lengths do, and so do packed batches and causal query groups (unmeasured there).
 WINDOW_ALONE = frozenset({"windowed"})
 # Packed without a causal mask (nor a window or a mask function) the fused backward also won at
 # D=64: bwd -4 to -5%, fwd+bwd -3 to -8% (causal: +6%; perf-notes#fused-backward-packed).
@@ -78,9 +78,9 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     (the order of the fp32 sums varies between runs); "auto" also needs
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
     function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
-    FUSED_PACKED_FULL_HEAD_DIM_TILES), and a window alone dense only where it spans
-    FUSED_BACKWARD_MIN_SEQLEN_K keys (WINDOW_ALONE); ALiBi alone as plain attention (D=128: bwd 5-22% faster
-    than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
+    FUSED_PACKED_FULL_HEAD_DIM_TILES), and a window alone dense and ungrouped only where it
+    spans FUSED_BACKWARD_MIN_SEQLEN_K keys (WINDOW_ALONE); ALiBi alone as plain attention (D=128:
+    bwd 5-22% faster than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
     declared elementwise without an aux gradient, only dense at a head dim in
     FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form. Causal grouped-query attention takes
     the grouped form: a program per query head (perf-notes#gqa-program-per-head).
@@ -106,7 +106,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return None
     if choice == "fused":
         return name
-    if problem.packing is None and switches == WINDOW_ALONE and window_span(problem) < FUSED_BACKWARD_MIN_SEQLEN_K:
+    short_window = switches == WINDOW_ALONE and window_span(problem) < FUSED_BACKWARD_MIN_SEQLEN_K
+    if short_window and problem.packing is None and not grouped:
         return None
     masks = "masks" in problem.mods.switches
     hidden = problem.mods.window is not None or masks
