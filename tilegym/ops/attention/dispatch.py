@@ -106,9 +106,6 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return None
     if choice == "fused":
         return name
-    short_window = switches == WINDOW_ALONE and window_span(problem) < FUSED_BACKWARD_MIN_SEQLEN_K
-    if short_window and problem.packing is None and not grouped:
-        return None
     masks = "masks" in problem.mods.switches
     hidden = problem.mods.window is not None or masks
     if problem.packing is not None and not (problem.causal or hidden):
@@ -116,12 +113,15 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
             return None
     elif (hidden or problem.packing is not None) and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
         return None
-    return name if problem.seqlen_k >= FUSED_BACKWARD_MIN_SEQLEN_K else None
+    return name if keys_per_query(problem, grouped) >= FUSED_BACKWARD_MIN_SEQLEN_K else None
 
 
-def window_span(problem: AttentionProblem) -> int:
-    """Keys a query row of a windowed call sees at most: left + right + 1, or seqlen_k where a side
-    is unbounded (-1)."""
+def keys_per_query(problem: AttentionProblem, grouped: bool) -> int:
+    """The keys "auto" weighs against FUSED_BACKWARD_MIN_SEQLEN_K: seqlen_k (packed: the longest
+    sequence's), or for a dense, ungrouped window alone (WINDOW_ALONE) the most a query row sees,
+    left + right + 1 where no side is unbounded (-1)."""
+    if problem.mods.switches != WINDOW_ALONE or problem.packing is not None or grouped:
+        return problem.seqlen_k
     left, right = problem.mods.window
     if left < 0 or right < 0:
         return problem.seqlen_k
