@@ -113,7 +113,17 @@ CASES = {
         ModTensors(),
         CuSeqlens(torch.tensor([0, 3000, 5000], dtype=torch.int32), torch.tensor([0, 3000, 5000], dtype=torch.int32)),
     ),
+    "packed, one tensor of lengths": lambda: (
+        _problem(seqlen=3000, packing=Packing(5000, 5000)),
+        ModTensors(),
+        _shared_lengths(torch.tensor([0, 3000, 5000], dtype=torch.int32)),
+    ),
 }
+
+
+def _shared_lengths(lengths: torch.Tensor) -> CuSeqlens:
+    """Self-attention's usual call: one tensor as both cumulative lengths."""
+    return CuSeqlens(lengths, lengths)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -148,6 +158,34 @@ def test_op_no_plan_where_two_roles_share_a_tensor(launches):
     call.run()
     names = [label for _, _, arguments in call.labels(launches) for label in arguments]
     assert "k" in names and "v" in names
+
+
+def test_op_shared_and_separate_lengths_keep_plans_apart(launches):
+    """A plan made where one tensor was both cumulative lengths is not replayed for a call with
+    two (its key lengths reach CuSeqlensK), nor the other way round; each replays its own."""
+    problem = _problem(seqlen=3000, packing=Packing(5000, 5000))
+
+    def lengths():
+        return torch.tensor([0, 3000, 5000], dtype=torch.int32)
+
+    def shared():
+        return _shared_lengths(lengths())
+
+    def separate():
+        return CuSeqlens(lengths(), lengths())
+
+    for first, second in ((shared, separate), (separate, shared)):
+        prepared._plans.clear()
+        _Call(problem, cu_seqlens=first()).run()
+        assert len(prepared._plans) == 2
+        for _ in range(2):  # the first call of the other kind prepares, the second replays
+            call = _Call(problem, cu_seqlens=second())
+            launches.clear()
+            call.run()
+            names = {label for _, _, arguments in call.labels(launches) for label in arguments}
+            # One shared tensor is labelled cu_k (labels names q's lengths first, then k's).
+            assert "cu_k" in names and ("cu_q" in names) == (second is separate)
+        assert len(prepared._plans) == 4
 
 
 def test_op_plans_follow_the_settings(launches, monkeypatch):

@@ -387,8 +387,15 @@ def forward(
 
 def _optional_tensors(mod_tensors: ModTensors, cu_seqlens: CuSeqlens | None) -> tuple:
     """A call's tensors of its score modifiers and packing, None where it has none: the last
-    roles of its prepared launches (prepared.py), after the call's own tensors."""
-    packed = (None, None) if cu_seqlens is None else (cu_seqlens.q, cu_seqlens.k)
+    roles of its prepared launches (prepared.py), after the call's own tensors.
+
+    Self-attention often passes one tensor as both cumulative lengths: it is then the query
+    lengths' role alone (the key lengths' None), so that both kernel arguments take it and the
+    call can be prepared, under a key of its own (roles that share a tensor prepare nothing)."""
+    if cu_seqlens is None:
+        packed = (None, None)
+    else:
+        packed = (cu_seqlens.q, None if cu_seqlens.k is cu_seqlens.q else cu_seqlens.k)
     return (mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed)
 
 
