@@ -40,7 +40,9 @@ class _Call:
     """One training call's tensors (small: the stubbed launch reads none), given to the launch
     path explicitly, so that only its workspaces are made inside it."""
 
-    def __init__(self, problem: AttentionProblem, mod_tensors=NO_TENSORS, cu_seqlens=None, same_k_and_v=False):
+    def __init__(
+        self, problem: AttentionProblem, mod_tensors=NO_TENSORS, cu_seqlens=None, same_k_and_v=False, row_grads=False
+    ):
         d = problem.head_dim
         self.q, self.k, self.v = (torch.randn(1, 16, 8, d, dtype=torch.bfloat16) for _ in range(3))
         if same_k_and_v:
@@ -49,14 +51,17 @@ class _Call:
         self.lse = torch.randn(1, 16, 8)
         self.grads = tuple(torch.empty_like(t) for t in (self.q, self.k, self.v))
         self.problem, self.mod_tensors, self.cu_seqlens = problem, mod_tensors, cu_seqlens
+        # With row_grads, the LSE's gradient (fp32: the kernels read it as it is) and the sinks'.
+        self.d_lse = torch.randn(1, 16, 8) if row_grads else None
+        self.sinks_grad = row_grads
 
-    def run(self) -> None:
+    def run(self) -> launch.Gradients:
         launch.forward(
             self.q, self.k, self.v, self.problem, True, self.out, self.lse, self.mod_tensors, self.cu_seqlens
         )  # fmt: skip
-        launch.backward(
+        return launch.backward(
             self.d_out, self.q, self.k, self.v, self.out, self.lse, self.problem, self.grads, self.mod_tensors,
-            cu_seqlens=self.cu_seqlens,
+            d_lse=self.d_lse, sinks_grad=self.sinks_grad, cu_seqlens=self.cu_seqlens,
         )  # fmt: skip
 
     def labels(self, made) -> list:
@@ -146,6 +151,35 @@ def test_op_prepared_launches_are_the_launch_paths(launches, launch_path_calls, 
     assert launch_path_calls == ["_positive_scale", "_backward_steps"]
     assert replayed == second.labels(launches)
     assert len(replayed) >= 3 and any(label == "q" for _, _, arguments in replayed for label in arguments)
+
+
+@pytest.mark.parametrize("seqlen", [1024, 4096], ids=["two-kernel backward", "fused backward"])
+def test_op_prepared_launches_with_the_row_gradients(launches, launch_path_calls, seqlen):
+    """With the LSE's and the sinks' gradients a call is prepared too: its d_lse reaches the
+    kernels, and the sinks' shares, new for each call, are zeroed before the launch that writes
+    them (workspaces are made NaN here: unzeroed shares would give a NaN gradient)."""
+    mods, mod_tensors = ScoreMods(sinks=True), ModTensors(sinks=torch.randn(16))
+    problem = _problem(seqlen=seqlen, mods=mods)
+    _Call(problem, mod_tensors, row_grads=True).run()
+    assert len(prepared._plans) == 2
+    second = _Call(problem, mod_tensors, row_grads=True)
+    launches.clear()
+    launch_path_calls.clear()
+    d_sinks = second.run().d_sinks
+    replayed = second.labels(launches)
+    assert not launch_path_calls, "a prepared call ran the launch path"
+    # The stubbed launches write nothing: zeroed shares sum to zero.
+    assert d_sinks.shape == (16,) and not d_sinks.any()
+
+    prepared._plans.clear()
+    launches.clear()
+    second.run()
+    assert replayed == second.labels(launches)
+    assert any(label == "d_lse" for _, _, arguments in replayed for label in arguments)
+    # Without them, the same problem's backward has a plan of its own (its forward shares one).
+    launches.clear()
+    _Call(problem, mod_tensors).run()
+    assert len(prepared._plans) == 3
 
 
 def test_op_no_plan_where_two_roles_share_a_tensor(launches):

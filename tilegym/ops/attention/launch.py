@@ -405,11 +405,12 @@ def _preparable(problem: AttentionProblem, mod_tensors: ModTensors) -> bool:
     return problem.mods.user is None and mod_tensors.block_mask is None and not mod_tensors.aux
 
 
-def _plan_key(step: str, problem: AttentionProblem, device, optional: tuple) -> tuple:
+def _plan_key(step: str, problem: AttentionProblem, device, optional: tuple, *flags) -> tuple:
     """A plan's key: the step, the problem, the device, which optional tensors (the forward's
-    LSE, score modifiers, packing) the call has, and the launcher class (a stand-in one makes
-    and finds no plans)."""
-    return prepared.plan_key(_Launcher, step, problem, device, tuple(t is None for t in optional))
+    LSE, the LSE's gradient, score modifiers, packing) the call has, what else it asks for
+    (flags: the sinks' gradient), and the launcher class (a stand-in one makes and finds no
+    plans)."""
+    return prepared.plan_key(_Launcher, step, problem, device, tuple(t is None for t in optional), *flags)
 
 
 def _replay(plan, roles: tuple, device) -> bool:
@@ -491,16 +492,18 @@ def backward(
     d_out, q, k, v, out = (addressable(t) for t in (d_out, q, k, v, out))
     device = q.device
     key, optional = None, _optional_tensors(mod_tensors, cu_seqlens)
-    # Prepared (prepared.py) without the extra outputs, whose buffers and sums are per call.
-    if d_bias is None and d_lse is None and not sinks_grad and _preparable(problem, mod_tensors):
-        key = _plan_key("backward", problem, device, optional)
+    # Prepared (prepared.py), the LSE's and the sinks' gradients included, but not dBias (summed
+    # into the bias's shape afterwards).
+    if d_bias is None and _preparable(problem, mod_tensors):
+        key = _plan_key("backward", problem, device, (d_lse, *optional), sinks_grad)
         plan = prepared.find(key)
         if plan is not None:
             workspaces = plan.workspaces(problem, dq, dk, dv)
-            roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, optional)
+            row_grads = plan.row_gradients(problem, d_lse, device)
+            roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, row_grads, optional)
             if _replay(plan.launches, roles, device):
                 workspaces.targets.copy_to(dq, dk, dv)
-                return Gradients(dq, dk, dv)
+                return Gradients(dq, dk, dv, None, row_grads.d_sinks())
     launcher = _Launcher(problem, device, mod_tensors.block_mask)
     row_grads = _row_gradients(launcher, d_lse, sinks_grad, device)
     d_aux = _aux_gradients(problem, mod_tensors, alert=True)
@@ -513,14 +516,14 @@ def backward(
         launched = [launcher.launch(step) for step in steps]
     targets = workspaces.targets
     if key is not None:
-        roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, optional)
-        plan = _BackwardPlan.of(launched, steps, roles, workspaces, dq)
+        roles = _backward_roles(d_out, q, k, v, out, lse, workspaces, row_grads, optional)
+        plan = _BackwardPlan.of(launched, steps, roles, workspaces, row_grads, dq)
         if plan is not None:
             prepared.keep(key, plan)
     targets.copy_to(dq, dk, dv)
-    d_sinks = row_grads.d_sinks_partial.sum(dim=(0, 2)) if sinks_grad else None
     d_aux = None if d_aux is None else tuple(aux_gradients.sums(buffer) for buffer in d_aux)
-    return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks, d_aux)
+    d_bias = _caller_bias_grad(d_bias, problem.mods, mod_tensors)
+    return Gradients(dq, dk, dv, d_bias, row_grads.d_sinks(), d_aux)
 
 
 def _aux_gradients(problem: AttentionProblem, mod_tensors: ModTensors, alert: bool = False) -> tuple | None:
@@ -590,23 +593,32 @@ class RowGradients:
         """The reset of the launch that writes the sinks' shares, None where there are none."""
         return None if self.d_sinks_partial is None else self.d_sinks_partial.zero_
 
+    def d_sinks(self) -> torch.Tensor | None:
+        """The sinks' gradient [Hq] from the shares, once the launches are issued."""
+        return None if self.d_sinks_partial is None else self.d_sinks_partial.sum(dim=(0, 2))
+
 
 def _row_gradients(launcher: _Launcher, d_lse, sinks_grad: bool, device) -> RowGradients:
     problem = launcher.problem
-    if d_lse is not None:
-        stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-        d_lse = d_lse.to(stat_dtype).contiguous()
     partial = None
     if sinks_grad:
         # Shares of whichever kernel writes the row statistics, at its smallest query tile.
         names = (BACKWARD_DQ, BACKWARD_PREPROCESS)
         block_m = min(config.block_m for name in names for config in launcher.candidates(name))
         tiles = math.ceil(problem.seqlen_q / block_m)
-        stat_dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
         # Zeroed right before the launch that counts (RowGradients.zero): tuning runs of other
         # configs write other tiles' shares.
-        partial = torch.empty((problem.batch, problem.q_heads, tiles), dtype=stat_dtype, device=device)
-    return RowGradients(d_lse, partial)
+        partial = torch.empty((problem.batch, problem.q_heads, tiles), dtype=_stat_dtype(problem), device=device)
+    return RowGradients(_lse_grad_stat(problem, d_lse), partial)
+
+
+def _stat_dtype(problem: AttentionProblem) -> torch.dtype:
+    return torch.float64 if problem.dtype == torch.float64 else torch.float32
+
+
+def _lse_grad_stat(problem: AttentionProblem, d_lse):
+    """The LSE's gradient as the kernels read it (None: none)."""
+    return None if d_lse is None else d_lse.to(_stat_dtype(problem)).contiguous()
 
 
 # Problems whose backward was compiled ahead, least recently seen first: bounded, so that a
@@ -825,48 +837,65 @@ class _Workspaces:
     targets: GradientTargets
 
 
-# The roles of the fused backward's sums among _backward_roles: the dQ sum, then dK's and dV's.
+# The roles of the fused backward's sums among _backward_roles: the dQ sum, then dK's and dV's;
+# and of the sinks' gradient's shares.
 _SUM_ROLES = (8, 9, 10)
+_SINKS_SHARES_ROLE = 12
 
 
-def _backward_roles(d_out, q, k, v, out, lse, workspaces: _Workspaces, optional: tuple) -> tuple:
+def _backward_roles(d_out, q, k, v, out, lse, workspaces: _Workspaces, row_grads: RowGradients, optional) -> tuple:
     """A backward's tensors in the order its prepared launches name them (prepared.py), the
     optional ones (_optional_tensors) last. The kernels see the gradients only as the targets
     (the gradients themselves, or sums)."""
     targets = workspaces.targets
     return (
         d_out, q, k, v, out, lse, workspaces.delta, workspaces.lse_base2, targets.dq, targets.dk, targets.dv,
-        *optional,
+        row_grads.d_lse, row_grads.d_sinks_partial, *optional,
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class _BackwardPlan:
-    """A backward's prepared launches (prepared.py) and the layout of the fused backward's sums
-    (size, stride, dtype of each; none for two kernels), made afresh for each call."""
+    """A backward's prepared launches (prepared.py) and the layouts (_layout) of its workspaces
+    that are made afresh for each call: the fused backward's sums (none for two kernels) and the
+    shares of the sinks' gradient (None without it)."""
 
     launches: tuple[prepared.PreparedLaunch, ...]
-    sums: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+    sums: tuple[tuple, ...]
+    sinks_shares: tuple | None
 
     @classmethod
-    def of(cls, launched, steps, roles: tuple, workspaces: _Workspaces, dq) -> "_BackwardPlan | None":
+    def of(cls, launched, steps, roles: tuple, workspaces: _Workspaces, row_grads: RowGradients, dq):
         """The plan of a backward that launched steps (launched: what each launch returned);
-        None where it cannot be replayed (prepared.prepare, or a reset other than the sums')."""
+        None where it cannot be replayed (prepared.prepare, or a reset other than the sums' or
+        the sinks' shares')."""
         targets = workspaces.targets
         sums = () if targets.dq is dq else (targets.dq, targets.dk, targets.dv)[: 3 if targets.grouped else 1]
         zeroed = []
         for step in steps:
-            if step.reset is not None and step.reset != targets.zero:
+            if step.reset is None:
+                zeroed.append(())
+            elif step.reset == targets.zero:
+                zeroed.append(_SUM_ROLES[: len(sums)])
+            elif step.reset == row_grads.reset:
+                zeroed.append((_SINKS_SHARES_ROLE,))
+            else:
                 return None
-            zeroed.append(() if step.reset is None else _SUM_ROLES[: len(sums)])
         launches = prepared.prepare(launched, roles, _PLACEHOLDERS, zeroed)
         if launches is None:
             return None
-        return cls(launches, tuple((tuple(t.shape), t.stride(), t.dtype) for t in sums))
+        shares = row_grads.d_sinks_partial
+        layouts = tuple(_layout(t) for t in sums)
+        return cls(launches, layouts, None if shares is None else _layout(shares))
+
+    def row_gradients(self, problem: AttentionProblem, d_lse, device) -> RowGradients:
+        """A call's RowGradients: its LSE's gradient, and new shares of the sinks' gradient."""
+        shares = None if self.sinks_shares is None else _made(self.sinks_shares, device)
+        return RowGradients(_lse_grad_stat(problem, d_lse), shares)
 
     def workspaces(self, problem: AttentionProblem, dq, dk, dv) -> _Workspaces:
         device = dq.device
-        sums = [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride, dtype in self.sums]
+        sums = [_made(layout, device) for layout in self.sums]
         if not sums:
             targets = GradientTargets(dq, dk, dv, grouped=False)
         elif len(sums) == 1:
@@ -874,6 +903,17 @@ class _BackwardPlan:
         else:
             targets = GradientTargets(*sums, grouped=True)
         return _Workspaces(row_stat(problem, device), row_stat(problem, device), targets)
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """What a plan keeps of a workspace: its size, stride and dtype."""
+    return tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
+def _made(layout: tuple, device) -> torch.Tensor:
+    """A new, uninitialized workspace of a layout (_layout)."""
+    size, stride, dtype = layout
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 def _caller_bias_grad(d_bias, mods: ScoreMods, mod_tensors: ModTensors):
