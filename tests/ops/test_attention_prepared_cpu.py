@@ -154,13 +154,24 @@ def test_op_prepared_launches_are_the_launch_paths(launches, launch_path_calls, 
 
 
 @pytest.mark.parametrize("seqlen", [1024, 4096], ids=["two-kernel backward", "fused backward"])
-def test_op_prepared_launches_with_the_row_gradients(launches, launch_path_calls, seqlen):
+def test_op_prepared_launches_with_the_row_gradients(launches, launch_path_calls, monkeypatch, seqlen):
     """With the LSE's and the sinks' gradients a call is prepared too: its d_lse reaches the
     kernels, and the sinks' shares, new for each call, are zeroed before the launch that writes
-    them (workspaces are made NaN here: unzeroed shares would give a NaN gradient)."""
+    them and summed into the sinks' gradient (workspaces are made NaN here: unzeroed shares
+    would give a NaN gradient)."""
     mods, mod_tensors = ScoreMods(sinks=True), ModTensors(sinks=torch.randn(16))
     problem = _problem(seqlen=seqlen, mods=mods)
-    _Call(problem, mod_tensors, row_grads=True).run()
+    tiles = math.ceil(seqlen / 64)  # the shares' query tiles: the smallest candidate's
+    stubbed = ct.launch
+
+    def adding_ones_to_the_shares(stream, grid, kernel, arguments):
+        for argument in arguments:
+            if isinstance(argument, torch.Tensor) and argument.shape == (2, 16, tiles):
+                argument.add_(1)  # as a kernel writes its shares, after the zeroing
+        stubbed(stream, grid, kernel, arguments)
+
+    monkeypatch.setattr(ct, "launch", adding_ones_to_the_shares)
+    assert (_Call(problem, mod_tensors, row_grads=True).run().d_sinks == 2 * tiles).all()
     assert len(prepared._plans) == 2
     second = _Call(problem, mod_tensors, row_grads=True)
     launches.clear()
@@ -168,8 +179,8 @@ def test_op_prepared_launches_with_the_row_gradients(launches, launch_path_calls
     d_sinks = second.run().d_sinks
     replayed = second.labels(launches)
     assert not launch_path_calls, "a prepared call ran the launch path"
-    # The stubbed launches write nothing: zeroed shares sum to zero.
-    assert d_sinks.shape == (16,) and not d_sinks.any()
+    # Each share written once after its zeroing, by the launch the gradient is summed from.
+    assert d_sinks.shape == (16,) and (d_sinks == 2 * tiles).all()
 
     prepared._plans.clear()
     launches.clear()
