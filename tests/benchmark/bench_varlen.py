@@ -56,6 +56,8 @@ TARGETS = (
 TARGET_MODE = "fwd+bwd"
 # The dense length is the mean rounded to this: a whole number of our tiles, as a model would pick.
 DENSE_MULTIPLE = 64
+# The drawn lengths' range and seed by default: the README's table.
+MIN_LEN, MAX_LEN, SEED = 128, 4096, 0
 # Correctness before timing: the packed output's first sequences against SDPA per sequence.
 CHECK_SEQUENCES = 3
 CHECK_ABOVE = 2e-2
@@ -557,9 +559,9 @@ def parser() -> argparse.ArgumentParser:
                    "first dtype only")  # fmt: skip
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), help="what to time")
     p.add_argument("--tokens", type=int, default=bench_utils.TOKENS, help="tokens per packed batch")
-    p.add_argument("--min-len", type=int, default=128, help="shortest drawn sequence length")
-    p.add_argument("--max-len", type=int, default=4096, help="longest drawn sequence length")
-    p.add_argument("--seed", type=int, default=0, help="seed of the lengths and of the inputs")
+    p.add_argument("--min-len", type=int, default=MIN_LEN, help="shortest drawn sequence length")
+    p.add_argument("--max-len", type=int, default=MAX_LEN, help="longest drawn sequence length")
+    p.add_argument("--seed", type=int, default=SEED, help="seed of the lengths and of the inputs")
     p.add_argument("--quick", action="store_true", help="a smoke run: bf16, D=128, causal only")
     p.add_argument("--json", type=Path, metavar="PATH",
                    help=f"results file (default {DEFAULT_JSON})")  # fmt: skip

@@ -1,17 +1,20 @@
 """Host time to issue one training call (perf-notes#host-work-memoized, #prepared-launches), two ways.
 
-On a GPU, ours and SDPA's cuDNN backend: the forward, the backward (`torch.autograd.grad` on a
-kept graph) and both, with the GPU kept asleep so that only the host is timed, the median of
-rounds of back-to-back calls. The host's own time moves by up to half between processes, so
-compare trees in alternating processes, several each:
+Cases: the training benchmark's two shortest rows, a gpt-oss-like layer (learnable sinks, a
+128-key window, GQA 8:1) and a packed batch (bench_varlen.py's lengths, one tensor as both
+cumulative lengths). On a GPU, ours and an anchor (SDPA's cuDNN backend; varlen_attn for the
+packed batch; none with sinks): the forward, the backward (`torch.autograd.grad` on a kept graph)
+and both, with the GPU kept asleep so that only the host is timed, the median of rounds of
+back-to-back calls. The host's own time moves by up to half between processes, so compare trees
+in alternating processes, several each:
 
     python tests/benchmark/host_time.py
 
 With --stubbed, any machine, no GPU: our launch path alone (`launch.forward` then
-`launch.backward`, plain scores) with cuTile's launch and the GPU's facts stubbed, on CPU
-tensors, the least of rounds; steadier than the GPU machine's host, for comparing trees. After
-the first calls these replay their prepared launches; --unprepared drops the plans before each
-call, timing the launch path that builds them:
+`launch.backward`, with the sinks' gradient where there are sinks) with cuTile's launch and the
+GPU's facts stubbed, on CPU tensors, the least of rounds; steadier than the GPU machine's host,
+for comparing trees. After the first calls these replay their prepared launches; --unprepared
+drops the plans before each call, timing the launch path that builds them:
 
     python tests/benchmark/host_time.py --stubbed [--unprepared]
 
@@ -19,6 +22,7 @@ Prints microseconds per call; writes no files.
 """
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -29,16 +33,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.benchmark import bench_utils  # noqa: E402
 from tests.benchmark.bench_utils import Shape  # noqa: E402
 
-# The training benchmark's shortest rows, where a call's host time nears its GPU time.
+# The training benchmark's shortest rows, where a call's host time nears its GPU time, and a
+# gpt-oss-like layer: learnable sinks, a 128-key window, GQA 8:1 (bench_attention_variants.py's
+# window128-sinks row; only ours runs it).
 SHAPES = [
     Shape(16, 16, 16, 1024, 1024, 128, True, "bfloat16"),
     Shape(16, 32, 32, 1024, 1024, 64, False, "bfloat16"),
+    Shape(4, 32, 4, 4096, 4096, 64, True, "bfloat16", "window128-sinks"),
 ]
+# A packed batch: bench_varlen.py's drawn lengths, one tensor as both cumulative lengths (as
+# self-attention passes them), D=128, causal; against PyTorch's varlen_attn.
+PACKED_SHAPE = Shape(1, 16, 16, 16384, 16384, 128, True, "bfloat16")
 _ASLEEP_CYCLES = 300_000_000  # about 0.17 s of GPU time: longer than a round of calls takes to issue
 
 
 def _label(shape: Shape) -> str:
     return f"B={shape.batch} H={shape.q_heads} S={shape.seqlen_q} {shape.series}"
+
+
+def _drawn_lengths() -> list[int]:
+    from tests.benchmark import bench_varlen
+
+    return bench_varlen.draw_lengths(bench_utils.TOKENS, bench_varlen.MIN_LEN, bench_varlen.MAX_LEN, bench_varlen.SEED)
 
 
 def _rounds_us(call, calls: int, rounds: int, asleep: bool) -> list[float]:
@@ -73,32 +89,51 @@ def _training_calls(attention, inputs: tuple, d_out) -> dict:
 def _on_the_gpu(calls: int, rounds: int) -> None:
     import torch
 
+    from tests.benchmark import bench_varlen
+
+    def timed(label: str, provider: str, attention, inputs: tuple) -> None:
+        d_out = torch.randn_like(inputs[0])
+        for _ in range(3):  # compiles and tunes outside the timing
+            torch.autograd.grad(attention(*inputs), inputs, d_out)
+        torch.cuda.synchronize()
+        modes = _training_calls(attention, inputs, d_out)
+        medians = {mode: _rounds_us(call, calls, rounds, asleep=True) for mode, call in modes.items()}
+        row = "  ".join(f"{mode} {times[len(times) // 2]:6.0f}" for mode, times in medians.items())
+        print(f"{label:36s} {provider:11s} host us per call, median of {rounds} rounds: {row}", flush=True)
+
     for shape in SHAPES:
-        q, k, v = bench_utils.make_inputs(shape, requires_grad=True)
-        d_out = torch.randn_like(q)
+        inputs = bench_utils.make_inputs(shape, requires_grad=True)
         for provider in ("cutile", "cudnn"):
-            attention = bench_utils.attention_fn(provider, shape, training=True)
-            for _ in range(3):  # compiles and tunes outside the timing
-                torch.autograd.grad(attention(q, k, v), (q, k, v), d_out)
-            torch.cuda.synchronize()
-            modes = _training_calls(attention, (q, k, v), d_out)
-            medians = {mode: _rounds_us(call, calls, rounds, asleep=True) for mode, call in modes.items()}
-            row = "  ".join(f"{mode} {times[len(times) // 2]:6.0f}" for mode, times in medians.items())
-            print(f"{_label(shape):36s} {provider:7s} host us per call, median of {rounds} rounds: {row}", flush=True)
+            try:
+                attention = bench_utils.attention_fn(provider, shape, True, bench_utils.option_kwargs(shape))
+            except bench_utils.Unavailable:
+                continue
+            timed(_label(shape), provider, attention, inputs)
+    batch = bench_varlen.pack(_drawn_lengths())
+    inputs = bench_varlen.packed_inputs(PACKED_SHAPE, batch, bench_varlen.SEED)
+    label = f"packed {len(batch.lengths)} sequences {PACKED_SHAPE.series}"
+    timed(label, "cutile", bench_varlen.ours_varlen(PACKED_SHAPE, batch), inputs)
+    timed(label, "varlen_attn", bench_varlen.torch_varlen(PACKED_SHAPE, batch), inputs)
 
 
-def _launch_path(launch, problem, q, k, v, d_out, unprepared: bool):
-    """launch.forward, then launch.backward, of one problem, as a call without arguments;
-    unprepared: each without a prepared launch."""
+def _launch_path(launch, problem, q, k, v, d_out, unprepared: bool, mod_tensors=None, cu_seqlens=None):
+    """launch.forward, then launch.backward (with the sinks' gradient where there are sinks), of
+    one problem, as a call without arguments; unprepared: each without a prepared launch."""
     from tilegym.ops.attention import prepared
+    from tilegym.ops.attention.score_mods import NO_TENSORS
+
+    mod_tensors = mod_tensors or NO_TENSORS
+    sinks_grad = mod_tensors.sinks is not None
 
     def step():
         if unprepared:
             prepared._plans.clear()
-        out, lse = launch.forward(q, k, v, problem, with_lse=True)
+        out, lse = launch.forward(q, k, v, problem, True, None, None, mod_tensors, cu_seqlens)
         if unprepared:
             prepared._plans.clear()
-        launch.backward(d_out, q, k, v, out, lse, problem)
+        launch.backward(
+            d_out, q, k, v, out, lse, problem, None, mod_tensors, sinks_grad=sinks_grad, cu_seqlens=cu_seqlens
+        )  # fmt: skip
 
     return step
 
@@ -110,26 +145,41 @@ def _stubbed(calls: int, rounds: int, unprepared: bool) -> None:
 
     from tilegym import cuda_context, launching
     from tilegym.ops.attention import launch
-    from tilegym.ops.attention.problem import AttentionProblem
+    from tilegym.ops.attention.packing import CuSeqlens
+    from tilegym.ops.attention.problem import AttentionProblem, Packing
+    from tilegym.ops.attention.score_mods import ModTensors, ScoreMods
 
     launching.device_facts = lambda index: ("NVIDIA H100 80GB HBM3", "sm_90", ct.__version__)
     launching.current_stream_handle = lambda index: 0
     cuda_context.ensure_current = lambda index: None
     ct.launch = lambda stream, grid, kernel, arguments: None
-    for shape in SHAPES:
+    lengths = _drawn_lengths()
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    cases = [(_label(shape), shape, None, None) for shape in SHAPES]
+    cases.append((f"packed {len(lengths)} sequences {PACKED_SHAPE.series}", PACKED_SHAPE, lengths, cu_seqlens))
+    for label, shape, packed_lengths, cu in cases:
         dtype = getattr(torch, shape.dtype)
+        window = bench_utils.option_window(shape)
+        sinks = "sinks" in shape.option
+        mods = ScoreMods(window=window, sinks=sinks)
+        mod_tensors = ModTensors(sinks=torch.randn(shape.q_heads)) if sinks else None
+        packing, seqlen, batch = None, shape.seqlen_q, shape.batch
+        if packed_lengths:
+            packing, seqlen, batch = Packing(shape.seqlen_q, shape.seqlen_k), max(packed_lengths), len(packed_lengths)
         problem = AttentionProblem(
-            shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim, dtype,
-            shape.head_dim**-0.5, shape.causal,
+            batch, shape.q_heads, shape.kv_heads, seqlen, seqlen, shape.head_dim, dtype, shape.head_dim**-0.5,
+            shape.causal, mods, packing=packing,
         )  # fmt: skip
         # Small tensors: the launch path reads their layout, the stubbed launch nothing else.
-        tensors = (torch.randn(1, 1, 16, shape.head_dim, dtype=dtype) for _ in range(4))
-        step = _launch_path(launch, problem, *tensors, unprepared)
+        q, out_grad = (torch.randn(1, shape.q_heads, 16, shape.head_dim, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(1, shape.kv_heads, 16, shape.head_dim, dtype=dtype) for _ in range(2))
+        lengths_pair = None if cu is None else CuSeqlens(cu, cu)
+        step = _launch_path(launch, problem, q, k, v, out_grad, unprepared, mod_tensors, lengths_pair)
         for _ in range(10):
             step()
         times = _rounds_us(step, calls, rounds, asleep=False)
         path = "unprepared" if unprepared else "stubbed"
-        print(f"{_label(shape):36s} launch.forward + launch.backward, {path}: {times[0]:6.1f} us (least of {rounds})")
+        print(f"{label:36s} launch.forward + launch.backward, {path}: {times[0]:6.1f} us (least of {rounds})")
 
 
 def main() -> None:

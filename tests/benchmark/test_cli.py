@@ -74,7 +74,7 @@ def test_cli_host_time_stubbed_runs_without_a_gpu(path):
     run, _ = _run("host_time.py", *flags, "--calls", "2", "--rounds", "1", blocked=())
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert len(lines) == 2 and all(f"launch.forward + launch.backward, {path}:" in line for line in lines)
+    assert len(lines) == 4 and all(f"launch.forward + launch.backward, {path}:" in line for line in lines)
 
 
 def test_cli_examples_do_not_write_into_the_shipped_results():
