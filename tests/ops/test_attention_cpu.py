@@ -639,7 +639,7 @@ _LEARNED_TABLE = ScoreMods(user=programmable.user_functions(_TABLE["score_mod"],
         (ScoreMods(window=_WIDE_WINDOW), 128, True),  # a window only hides scores: the fused tables compile clean
         (ScoreMods(window=_WIDE_WINDOW, sinks=True), 96, True),
         (ScoreMods(window=_WIDE_WINDOW), 64, False),  # lost at D=64 (FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
-        (ScoreMods(window=(64, 0)), 128, False),  # two kernels win below MIN_FUSED keys (dispatch.WINDOW_ALONE)
+        (ScoreMods(window=(64, 0)), 128, False),  # two kernels win below MIN_FUSED keys (dispatch.keys_per_query)
         (ScoreMods(softcap=2.0), 128, True),  # spills inside its loops, measured faster all the same
         (ScoreMods(softcap=2.0), 64, True),  # FUSED_SCORES_HEAD_DIM_TILES, on 64x128 tiles
         (ScoreMods(window=(64, 0), softcap=2.0), 128, False),
@@ -1080,7 +1080,7 @@ def test_op_packed_backward_design_choice(monkeypatch, head_dim, causal, mods, f
 )
 def test_op_window_backward_design_choice(monkeypatch, causal, window, fused):
     """ "auto" with a window alone, dense, at D=128 and 16384 keys: two kernels where a query sees
-    fewer than FUSED_BACKWARD_MIN_SEQLEN_K keys (dispatch.WINDOW_ALONE), the fused backward from
+    fewer than FUSED_BACKWARD_MIN_SEQLEN_K keys (dispatch.keys_per_query), the fused backward from
     there on; causal query groups and packed windows (test_op_packed_backward_design_choice) keep
     the fused one."""
     monkeypatch.setenv("TILEGYM_BACKWARD", "auto")

@@ -30,12 +30,6 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 # +10%, D=64 causal -6%; perf-notes#fused-backward-packed), and a mask function (a document
 # mask at 16384 keys: bwd -11%; perf-notes#fused-backward-masks). Keyed by head-dim tile.
 FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
-# A sliding window alone, dense, whose keys per query fall short of FUSED_BACKWARD_MIN_SEQLEN_K
-# runs two kernels: on plain attention's dK/dV tiles at two CTAs per SM (configs.WINDOW_TABLES)
-# they beat the fused backward at D=128 with a 1024-key window (bwd -4 to -9%, fwd+bwd -1 to -6%,
-# causal, 4096 and 16384 keys; perf-notes#window-tables). Wider windows keep it, as plain
-# attention's lengths do, and so do packed batches and causal query groups (unmeasured there).
-WINDOW_ALONE = frozenset({"windowed"})
 # Packed without a causal mask (nor a window or a mask function) the fused backward also won at
 # D=64: bwd -4 to -5%, fwd+bwd -3 to -8% (causal: +6%; perf-notes#fused-backward-packed).
 FUSED_PACKED_FULL_HEAD_DIM_TILES = (64, 128)
@@ -79,7 +73,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
     function or packed a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed without any mask:
     FUSED_PACKED_FULL_HEAD_DIM_TILES), and a window alone dense and ungrouped only where it
-    spans FUSED_BACKWARD_MIN_SEQLEN_K keys (WINDOW_ALONE); ALiBi alone as plain attention (D=128:
+    spans FUSED_BACKWARD_MIN_SEQLEN_K keys (keys_per_query); ALiBi alone as plain attention (D=128:
     bwd 5-22% faster than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
     declared elementwise without an aux gradient, only dense at a head dim in
     FUSED_SCORES_HEAD_DIM_TILES, and not in the grouped form. Causal grouped-query attention takes
@@ -118,9 +112,17 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
 
 def keys_per_query(problem: AttentionProblem, grouped: bool) -> int:
     """The keys "auto" weighs against FUSED_BACKWARD_MIN_SEQLEN_K: seqlen_k (packed: the longest
-    sequence's), or for a dense, ungrouped window alone (WINDOW_ALONE) the most a query row sees,
-    left + right + 1 where no side is unbounded (-1)."""
-    if problem.mods.switches != WINDOW_ALONE or problem.packing is not None or grouped:
+    sequence's), or for a dense, ungrouped window on the window's own tables (a window alone,
+    configs.ScoreTables.WINDOW) the most a query row sees, left + right + 1 where no side is
+    unbounded (-1).
+
+    So a window alone shorter than FUSED_BACKWARD_MIN_SEQLEN_K runs two kernels: on plain
+    attention's dK/dV tiles at two CTAs per SM (configs.WINDOW_TABLES) they beat the fused backward
+    at D=128 with a 1024-key window (bwd -4 to -9%, fwd+bwd -1 to -6%, causal, 4096 and 16384 keys;
+    perf-notes#window-tables). Wider windows keep it, as plain attention's lengths do, and so do
+    packed batches and causal query groups (level there, perf-notes#window-tiles-and-paths)."""
+    own_tables = configs.score_tables(problem.mods.switches) is configs.ScoreTables.WINDOW
+    if not own_tables or problem.packing is not None or grouped:
         return problem.seqlen_k
     left, right = problem.mods.window
     if left < 0 or right < 0:

@@ -54,8 +54,7 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     for fp64 inputs, else fp32."""
     if problem.packing:
         return packing.row_stat(problem, device)[None]
-    dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-    return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=dtype, device=device)
+    return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=problem.stat_dtype, device=device)
 
 
 @lru_cache(maxsize=1024)
@@ -534,8 +533,7 @@ def _aux_gradients(problem: AttentionProblem, mod_tensors: ModTensors, alert: bo
     user = problem.mods.user
     if user is None or user.aux_grad is None:
         return None
-    dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-    return aux_gradients.buffers(mod_tensors.aux, dtype, _fixed_point_aux_sums(problem, alert))
+    return aux_gradients.buffers(mod_tensors.aux, problem.stat_dtype, _fixed_point_aux_sums(problem, alert))
 
 
 def _fixed_point_aux_sums(problem: AttentionProblem, alert: bool) -> bool:
@@ -608,17 +606,13 @@ def _row_gradients(launcher: _Launcher, d_lse, sinks_grad: bool, device) -> RowG
         tiles = math.ceil(problem.seqlen_q / block_m)
         # Zeroed right before the launch that counts (RowGradients.zero): tuning runs of other
         # configs write other tiles' shares.
-        partial = torch.empty((problem.batch, problem.q_heads, tiles), dtype=_stat_dtype(problem), device=device)
+        partial = torch.empty((problem.batch, problem.q_heads, tiles), dtype=problem.stat_dtype, device=device)
     return RowGradients(_lse_grad_stat(problem, d_lse), partial)
-
-
-def _stat_dtype(problem: AttentionProblem) -> torch.dtype:
-    return torch.float64 if problem.dtype == torch.float64 else torch.float32
 
 
 def _lse_grad_stat(problem: AttentionProblem, d_lse):
     """The LSE's gradient as the kernels read it (None: none)."""
-    return None if d_lse is None else d_lse.to(_stat_dtype(problem)).contiguous()
+    return None if d_lse is None else d_lse.to(problem.stat_dtype).contiguous()
 
 
 # Problems whose backward was compiled ahead, least recently seen first: bounded, so that a
@@ -689,7 +683,7 @@ def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensor
     if score_mods.padded_shape(mods.bias_shape) == shape:
         dtype = mod_tensors.bias.dtype
     else:
-        dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        dtype = problem.stat_dtype
     # Zeros where a mask or window skips tiles, which the kernel never writes.
     skips_tiles = mods.bias_mode == score_mods.BIAS_PER_ROW and (problem.causal or mods.window is not None)
     d_bias = (torch.zeros if skips_tiles else torch.empty)(shape, dtype=dtype, device=q.device)
@@ -837,12 +831,6 @@ class _Workspaces:
     targets: GradientTargets
 
 
-# The roles of the fused backward's sums among _backward_roles: the dQ sum, then dK's and dV's;
-# and of the sinks' gradient's shares.
-_SUM_ROLES = (8, 9, 10)
-_SINKS_SHARES_ROLE = 12
-
-
 def _backward_roles(d_out, q, k, v, out, lse, workspaces: _Workspaces, row_grads: RowGradients, optional) -> tuple:
     """A backward's tensors in the order its prepared launches name them (prepared.py), the
     optional ones (_optional_tensors) last. The kernels see the gradients only as the targets
@@ -871,20 +859,22 @@ class _BackwardPlan:
         the sinks' shares')."""
         targets = workspaces.targets
         sums = () if targets.dq is dq else (targets.dq, targets.dk, targets.dv)[: 3 if targets.grouped else 1]
+        shares = row_grads.d_sinks_partial
         zeroed = []
         for step in steps:
             if step.reset is None:
-                zeroed.append(())
+                cleared = ()
             elif step.reset == targets.zero:
-                zeroed.append(_SUM_ROLES[: len(sums)])
+                cleared = sums
             elif step.reset == row_grads.reset:
-                zeroed.append((_SINKS_SHARES_ROLE,))
+                cleared = (shares,)
             else:
                 return None
+            # The roles of the tensors the reset zeros (a role holds one tensor of the call).
+            zeroed.append(tuple(next(i for i, role in enumerate(roles) if role is t) for t in cleared))
         launches = prepared.prepare(launched, roles, _PLACEHOLDERS, zeroed)
         if launches is None:
             return None
-        shares = row_grads.d_sinks_partial
         layouts = tuple(_layout(t) for t in sums)
         return cls(launches, layouts, None if shares is None else _layout(shares))
 

@@ -46,8 +46,7 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     """An uninitialized [Hq, total_q] row statistic (the LSE, Delta) of a packed problem, which
     the kernels take as [1, Hq, total_q]: fp64 for fp64 inputs, else fp32. The forward kernel
     writes -inf in the LSE of rows outside every sequence (kernels/packed.py)."""
-    dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
-    return torch.empty((problem.q_heads, problem.packing.total_q), dtype=dtype, device=device)
+    return torch.empty((problem.q_heads, problem.packing.total_q), dtype=problem.stat_dtype, device=device)
 
 
 # Problems of plain packed calls (no modifier) that passed every check, by _plain_call_key: as

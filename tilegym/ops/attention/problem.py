@@ -75,6 +75,12 @@ class AttentionProblem:
         return configs.tables_head_dim(self.head_dim, self.value_dim)
 
     @property
+    def stat_dtype(self) -> torch.dtype:
+        """The dtype of the row statistics and of fp32 sums (the sinks' shares, dBias and aux
+        partial sums): fp64 for fp64 inputs, else fp32."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
     def query_group_size(self) -> int:
         return self.q_heads // self.kv_heads
 
