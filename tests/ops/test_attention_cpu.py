@@ -219,46 +219,100 @@ class _CountingChecks:
         return problem, score_mods.ModTensors()
 
 
-def test_op_plain_calls_are_checked_in_full_once(monkeypatch):
-    """A plain call whose tensors' shapes, dtypes and devices, scaling and mask were checked
-    before takes the checked problem; any difference, a modifier, a value that is not a plain
-    float, bool or tensor, or a call that failed its checks goes through every check."""
+class _FloatSubclass(float):
+    pass
+
+
+def test_op_calls_are_checked_in_full_once(monkeypatch):
+    """A call without attn_bias whose tensors' shapes, dtypes and devices, scaling, mask and
+    modifiers (the window's sides, softcap, the slopes' and the sinks' shape, dtype and device)
+    were checked before takes the checked problem, with this call's slopes and sinks; any
+    difference is checked in full once; a bias, a value that is not a plain float, int, bool or
+    tensor (a Parameter for the sinks and slopes), or a call that failed its checks goes through
+    every check."""
     checks = _CountingChecks()
     monkeypatch.setattr(problem_mod, "_check_all_inputs", checks)
-    monkeypatch.setattr(problem_mod, "_checked_plain_calls", {})
+    monkeypatch.setattr(problem_mod, "_checked_calls", {})
     q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
     first, _ = problem_mod.check_inputs(q, k, v, None, True)
     again, mod_tensors = problem_mod.check_inputs(torch.randn_like(q), k.clone(), v.clone(), None, True)
     assert checks.calls == 1 and again is first and mod_tensors == score_mods.NO_TENSORS
-    for call in (
+    sinks, slopes = torch.randn(4, dtype=torch.bfloat16), torch.rand(4)
+    known_after_once = (
         lambda: problem_mod.check_inputs(q, k, v, None, False),
         lambda: problem_mod.check_inputs(q, k, v, 0.5, True),
-        lambda: problem_mod.check_inputs(q, k, v, 1, True),  # an int scaling: checked every time
         lambda: problem_mod.check_inputs(q.half(), k, v, None, True),
         lambda: problem_mod.check_inputs(q[:, :, :8], k, v, None, True),
         lambda: problem_mod.check_inputs(q, k, v, None, True, softcap=30.0),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, window_size=(4, 0)),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, window_size=(5, 0)),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, sinks=sinks),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, sinks=sinks.float()),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, alibi_slopes=slopes),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, alibi_slopes=slopes[None]),
+    )
+    checked_every_time = (
+        lambda: problem_mod.check_inputs(q, k, v, 1, True),  # an int scaling
         lambda: problem_mod.check_inputs(torch.nn.Parameter(q), k, v, None, True),
-    ):
-        before = checks.calls
-        call()
-        call()
-        assert checks.calls > before
+        lambda: problem_mod.check_inputs(q, k, v, None, True, attn_bias=torch.randn(16, 16)),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, softcap=_FloatSubclass(30.0)),
+        lambda: problem_mod.check_inputs(q, k, v, None, True, window_size=(4.0, 0)),
+    )
+    for expected, group in ((1, known_after_once), (2, checked_every_time)):
+        for call in group:
+            before = checks.calls
+            call()
+            call()
+            assert checks.calls == before + expected
+    # A window as a list is the same pair; the sinks as a Parameter the same tensor.
+    before = checks.calls
+    problem_mod.check_inputs(q, k, v, None, True, window_size=[4, 0])
+    problem_mod.check_inputs(q, k, v, None, True, sinks=torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16)))
+    assert checks.calls == before
     checks.reject = True
     for _ in range(2):
         with pytest.raises(ValueError, match="rejected"):
-            problem_mod.check_inputs(q, k, v, None, True, window_size=(4, 0))
+            problem_mod.check_inputs(q, k, v, None, True, window_size=(6, 0))
         with pytest.raises(ValueError, match="rejected"):
             problem_mod.check_inputs(q, k[:, :2], v[:, :2], None, True)
     assert problem_mod.check_inputs(q, k, v, None, True)[0] is first  # still known
 
 
-def test_op_plain_call_memo_is_bounded(monkeypatch):
-    monkeypatch.setattr(problem_mod, "_check_all_inputs", _CountingChecks())
-    monkeypatch.setattr(problem_mod, "_checked_plain_calls", {})
+def test_op_known_calls_take_their_own_sinks_and_slopes(monkeypatch):
+    """A call that takes a checked problem gets its own sinks and slopes as the kernels take them
+    (the full checks' views), not those of the call checked first."""
+    monkeypatch.setattr(problem_mod, "_checked_calls", {})
     q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
-    for i in range(problem_mod._CHECKED_PLAIN_CALLS_MAX + 5):
+    batch, heads, seqlen, head_dim = q.shape
+    problem = problem_mod.AttentionProblem(batch, heads, 4, seqlen, seqlen, head_dim, q.dtype, 0.125, True)
+
+    def full_checks(q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad, sinks):
+        views = score_mods.check_alibi(alibi_slopes, q, heads), score_mods.check_sinks(sinks, q, heads)
+        return problem, score_mods.ModTensors(None, *views)
+
+    monkeypatch.setattr(problem_mod, "_check_all_inputs", full_checks)
+    for sinks_dtype in (torch.bfloat16, torch.float32):
+        problem_mod.check_inputs(
+            q, k, v, None, True, sinks=torch.randn(heads, dtype=sinks_dtype), alibi_slopes=torch.rand(heads)
+        )
+    monkeypatch.setattr(problem_mod, "_check_all_inputs", None)  # a full check would fail now
+    for sinks_dtype in (torch.bfloat16, torch.float32):
+        sinks, slopes = torch.randn(heads, dtype=sinks_dtype), torch.rand(1, heads).view(heads)
+        known, mod_tensors = problem_mod.check_inputs(q, k, v, None, True, sinks=sinks, alibi_slopes=slopes)
+        expected = full_checks(q, k, v, None, True, None, None, None, slopes, None, sinks)[1]
+        assert known is problem and mod_tensors.bias is None
+        for got, want in ((mod_tensors.sinks, expected.sinks), (mod_tensors.slopes, expected.slopes)):
+            assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+            assert torch.equal(got, want)
+
+
+def test_op_call_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(problem_mod, "_check_all_inputs", _CountingChecks())
+    monkeypatch.setattr(problem_mod, "_checked_calls", {})
+    q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
+    for i in range(problem_mod._CHECKED_CALLS_MAX + 5):
         problem_mod.check_inputs(q, k, v, 1.0 + i, True)
-    assert len(problem_mod._checked_plain_calls) <= problem_mod._CHECKED_PLAIN_CALLS_MAX
+    assert len(problem_mod._checked_calls) <= problem_mod._CHECKED_CALLS_MAX
 
 
 def test_op_split_float_is_exact_to_fp64_rounding():
@@ -1113,10 +1167,11 @@ def test_op_dense_launches_carry_no_packing(monkeypatch):
     assert values["varlen"] is False and values["CuSeqlensQ"].dtype == torch.int32
 
 
-def test_op_plain_packed_calls_are_checked_in_full_once(monkeypatch):
-    """As for dense calls: a plain packed call like one checked before takes its problem (with
-    this call's cumulative lengths); a modifier, other lengths or max lengths, a 0-d tensor max
-    length or TILEGYM_CHECK_VARLEN (which reads the lengths' contents) go through every check."""
+def test_op_packed_calls_are_checked_in_full_once(monkeypatch):
+    """As for dense calls: a packed call like one checked before takes its problem (with this
+    call's cumulative lengths, sinks and slopes); other lengths, max lengths or modifiers are
+    checked in full once; a 0-d tensor max length or TILEGYM_CHECK_VARLEN (which reads the
+    lengths' contents) go through every check."""
     from tilegym.ops.attention import packing
 
     calls = []
@@ -1127,7 +1182,7 @@ def test_op_plain_packed_calls_are_checked_in_full_once(monkeypatch):
         return problem, score_mods.ModTensors(), packing.CuSeqlens(cu_seqlens_q, cu_seqlens_k)
 
     monkeypatch.setattr(packing, "_check_in_full", full_checks)
-    monkeypatch.setattr(packing, "_checked_plain_calls", {})
+    monkeypatch.setattr(packing, "_checked_calls", {})
     monkeypatch.delenv(packing.CHECK_VARLEN, raising=False)
     q, k, v = (torch.randn(12, heads, 64, dtype=torch.bfloat16) for heads in (4, 2, 2))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -1140,10 +1195,12 @@ def test_op_plain_packed_calls_are_checked_in_full_once(monkeypatch):
         lambda: packing.check_packed_inputs(q, k, v, cu, cu, 8, 7, None, True),
         lambda: packing.check_packed_inputs(q, k, v, cu[:2], cu[:2], 7, 7, None, True),
         lambda: packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, False),
+        lambda: packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, window_size=(4, 0)),
+        lambda: packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, sinks=torch.randn(4)),
     )
     never_known = (  # checked in full every time
         lambda: packing.check_packed_inputs(q, k, v, cu, cu, torch.tensor(7), 7, None, True),
-        lambda: packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, window_size=(4, 0)),
+        lambda: packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, window_size=(4.0, 0)),
     )
     for expected, group in ((1, other_calls), (2, never_known)):
         for call in group:
@@ -1151,6 +1208,13 @@ def test_op_plain_packed_calls_are_checked_in_full_once(monkeypatch):
             call()
             call()
             assert len(calls) == before + expected
+    sinks, slopes = torch.randn(4), torch.rand(2, 4)
+    _, mod_tensors, _ = packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, sinks=sinks)
+    assert torch.equal(mod_tensors.sinks, sinks) and mod_tensors.slopes is None
+    packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, alibi_slopes=slopes)
+    before = len(calls)
+    _, mod_tensors, _ = packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True, alibi_slopes=slopes + 1)
+    assert len(calls) == before and torch.equal(mod_tensors.slopes, slopes + 1)
     monkeypatch.setenv(packing.CHECK_VARLEN, "1")
     before = len(calls)
     packing.check_packed_inputs(q, k, v, cu, cu, 7, 7, None, True)

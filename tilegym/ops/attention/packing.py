@@ -16,7 +16,7 @@ from tilegym import env, index_width
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention import score_mods
 from tilegym.ops.attention.problem import _MAX_GRID_YZ, AttentionProblem, Packing, _check_all_inputs, check_tensor
-from tilegym.ops.attention.score_mods import NO_TENSORS, ModTensors
+from tilegym.ops.attention.score_mods import ModTensors
 
 CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
 PACKED_LAYOUT = ("total", "heads", "head_dim")
@@ -49,11 +49,11 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     return torch.empty((problem.q_heads, problem.packing.total_q), dtype=problem.stat_dtype, device=device)
 
 
-# Problems of plain packed calls (no modifier) that passed every check, by _plain_call_key: as
-# for dense calls (problem.check_inputs), a training loop repeats a few calls, whose full checks
-# cost the host tens of microseconds each.
-_checked_plain_calls: dict[tuple, AttentionProblem] = {}
-_CHECKED_PLAIN_CALLS_MAX = 1024
+# Problems of packed calls that passed every check, by _call_key: as for dense calls
+# (problem.check_inputs), a training loop repeats a few calls, whose full checks cost the host
+# tens of microseconds each.
+_checked_calls: dict[tuple, AttentionProblem] = {}
+_CHECKED_CALLS_MAX = 1024
 
 
 def check_packed_inputs(
@@ -74,31 +74,31 @@ def check_packed_inputs(
 ) -> tuple[AttentionProblem, ModTensors, CuSeqlens]:
     """Validate a packed call before any launch; errors name the argument (_check_in_full).
 
-    A plain call like one checked before takes its problem, unless TILEGYM_CHECK_VARLEN asks
-    for the cumulative lengths' contents to be checked.
+    A call like one checked before takes its problem, unless TILEGYM_CHECK_VARLEN asks for the
+    cumulative lengths' contents to be checked.
     """
-    modified = any(mod is not None for mod in (window_size, softcap, alibi_slopes, sinks))
     contents = read_contents and env.flag(CHECK_VARLEN, False)
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    key = None if modified or contents else _plain_call_key(q, k, v, *lengths, scaling, is_causal)
-    problem = _checked_plain_calls.get(key) if key is not None else None
+    modifiers = (window_size, softcap, alibi_slopes, sinks)
+    key = None if contents else _call_key(q, k, v, *lengths, scaling, is_causal, *modifiers)
+    problem = _checked_calls.get(key) if key is not None else None
     if problem is not None:
-        return problem, NO_TENSORS, CuSeqlens(cu_seqlens_q, cu_seqlens_k)
-    checked = _check_in_full(
-        q, k, v, *lengths, scaling, is_causal, window_size, softcap, alibi_slopes, sinks, read_contents
-    )
+        mod_tensors = score_mods.kernel_tensors(alibi_slopes, sinks, q, problem.q_heads)
+        return problem, mod_tensors, CuSeqlens(cu_seqlens_q, cu_seqlens_k)
+    checked = _check_in_full(q, k, v, *lengths, scaling, is_causal, *modifiers, read_contents)
     # As for dense calls, a tensor spanning more than 2**31 bytes is checked in full each time.
     if key is not None and not any(index_width.spans_past_int32(t) for t in (q, k, v)):
-        if len(_checked_plain_calls) >= _CHECKED_PLAIN_CALLS_MAX:
-            _checked_plain_calls.clear()
-        _checked_plain_calls[key] = checked[0]
+        if len(_checked_calls) >= _CHECKED_CALLS_MAX:
+            _checked_calls.clear()
+        _checked_calls[key] = checked[0]
     return checked
 
 
-def _plain_call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal):
-    """Everything the checks of a plain packed call read, or None where a value's type alone
-    needs the full checks (a tensor subclass, a 0-d tensor length, ...)."""
-    key = problem_mod._plain_call_key(q, k, v, scaling, is_causal)
+def _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, is_causal, *modifiers):
+    """Everything the checks of a packed call read, or None where a value's type alone needs the
+    full checks (a tensor subclass, a 0-d tensor length, ...); modifiers: window_size, softcap,
+    alibi_slopes and sinks."""
+    key = problem_mod.call_key(q, k, v, scaling, is_causal, *modifiers)
     lengths = (cu_seqlens_q, cu_seqlens_k)
     if key is None or any(type(cu) is not torch.Tensor for cu in lengths):
         return None

@@ -10,7 +10,7 @@ import torch
 from tilegym import index_width
 from tilegym.launching import pow2_ceil
 from tilegym.ops.attention import configs, score_mods
-from tilegym.ops.attention.score_mods import NO_TENSORS, PLAIN, ModTensors, ScoreMods
+from tilegym.ops.attention.score_mods import PLAIN, ModTensors, ScoreMods
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_GRID_YZ = 65535
@@ -112,10 +112,11 @@ def check_tensor(name: str, t, layout: tuple[str, ...] = DENSE_LAYOUT) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
 
 
-# Problems of plain calls (no score modifier) that passed every check, by _plain_call_key: a
-# training loop repeats a few calls, whose full checks cost the host tens of microseconds.
-_checked_plain_calls: dict[tuple, AttentionProblem] = {}
-_CHECKED_PLAIN_CALLS_MAX = 1024
+# Problems of calls without attn_bias that passed every check, by _call_key: a training loop
+# repeats a few calls, whose full checks cost the host tens of microseconds. A bias is checked
+# in full each time: its view for the kernels depends on its strides and on its gradient.
+_checked_calls: dict[tuple, AttentionProblem] = {}
+_CHECKED_CALLS_MAX = 1024
 
 
 def check_inputs(
@@ -135,33 +136,37 @@ def check_inputs(
 
     bias_grad: whether attn_bias will get a gradient; None reads attn_bias.requires_grad.
     """
-    modified = any(mod is not None for mod in (attn_bias, window_size, softcap, alibi_slopes, sinks))
-    key = None if modified else _plain_call_key(q, k, v, scaling, is_causal)
-    problem = _checked_plain_calls.get(key) if key is not None else None
+    key = None
+    if attn_bias is None:
+        key = call_key(q, k, v, scaling, is_causal, window_size, softcap, alibi_slopes, sinks)
+    problem = _checked_calls.get(key) if key is not None else None
     if problem is not None:
-        return problem, NO_TENSORS
+        return problem, score_mods.kernel_tensors(alibi_slopes, sinks, q, problem.q_heads)
     problem, mod_tensors = _check_all_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad, sinks
     )
     # Whether a tensor spanning more than 2**31 bytes needs int64 indexing also depends on its
     # address (index_width), which the key leaves out: such calls are checked in full each time.
     if key is not None and not any(index_width.spans_past_int32(t) for t in (q, k, v)):
-        if len(_checked_plain_calls) >= _CHECKED_PLAIN_CALLS_MAX:
-            _checked_plain_calls.clear()
-        _checked_plain_calls[key] = problem
+        if len(_checked_calls) >= _CHECKED_CALLS_MAX:
+            _checked_calls.clear()
+        _checked_calls[key] = problem
     return problem, mod_tensors
 
 
-def _plain_call_key(q, k, v, scaling, is_causal) -> tuple | None:
-    """Everything the checks of a plain call read, or None where a value's type alone needs the
-    full checks (a tensor subclass, a scaling that is not a float, ...)."""
+def call_key(q, k, v, scaling, is_causal, window_size=None, softcap=None, alibi_slopes=None, sinks=None):
+    """Everything the checks of a call without attn_bias read, or None where a value's type alone
+    needs the full checks (a tensor subclass, a scaling that is not a float, ...)."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
     if type(is_causal) is not bool or not (scaling is None or type(scaling) is float):
         return None
+    modifiers = score_mods.modifiers_key(window_size, softcap, alibi_slopes, sinks)
+    if modifiers is None:
+        return None
     return (
         q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-        q.device, k.device, v.device, scaling, is_causal,
+        q.device, k.device, v.device, scaling, is_causal, *modifiers,
     )  # fmt: skip
 
 
@@ -246,7 +251,7 @@ def _check_index_ranges(q_heads: int, seqlen_q: int, seqlen_k: int) -> None:
 
 def _allocations_need_int64(*sizes) -> bool:
     """Whether a tensor a call allocates needs the int64-indexed kernels (_allocation_shapes_need_int64).
-    Cached for int sizes, since calls with score modifiers are checked in full every time;
+    Cached for int sizes, since calls with attn_bias are checked in full every time;
     symbolic sizes (torch.compile's fake tensors) cannot be cached and are computed each time."""
     if all(type(size) is int for size in sizes):
         return _cached_allocations_need_int64(*sizes)

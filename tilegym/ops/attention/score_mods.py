@@ -225,6 +225,11 @@ def check_alibi(alibi_slopes, q: torch.Tensor, q_heads: int, batch: int | None =
             f"alibi_slopes must have shape [q heads] = [{q_heads}] or [batch, q heads] = [{batch}, {q_heads}], "
             f"got {list(alibi_slopes.shape)}"
         )
+    return kernel_slopes(alibi_slopes, q_heads)
+
+
+def kernel_slopes(alibi_slopes: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Checked alibi_slopes as the kernels take them: a contiguous float32 [1 or B, Hq]."""
     return alibi_slopes.detach().reshape(-1, q_heads).contiguous()
 
 
@@ -244,8 +249,59 @@ def check_sinks(sinks, q: torch.Tensor, q_heads: int) -> torch.Tensor | None:
         raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
     if tuple(sinks.shape) != (q_heads,):
         raise ValueError(f"sinks must have shape [q heads] = [{q_heads}], got {list(sinks.shape)}")
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return kernel_sinks(sinks, q.dtype)
+
+
+def kernel_sinks(sinks: torch.Tensor, q_dtype: torch.dtype) -> torch.Tensor:
+    """Checked sinks as the kernels take them: contiguous float32 (float64 for float64 inputs)."""
+    dtype = torch.float64 if q_dtype == torch.float64 else torch.float32
     return sinks.detach().to(dtype).contiguous()
+
+
+def kernel_tensors(alibi_slopes, sinks, q: torch.Tensor, q_heads: int) -> ModTensors:
+    """The ModTensors of a call without attn_bias whose arguments passed their checks before
+    (modifiers_key): this call's slopes and sinks as the kernels take them."""
+    if alibi_slopes is None and sinks is None:
+        return NO_TENSORS
+    slopes = None if alibi_slopes is None else kernel_slopes(alibi_slopes, q_heads)
+    return ModTensors(slopes=slopes, sinks=None if sinks is None else kernel_sinks(sinks, q.dtype))
+
+
+_UNKEYED = object()  # a value whose type alone calls for the full checks
+
+
+def modifiers_key(window_size, softcap, alibi_slopes, sinks) -> tuple | None:
+    """Everything the checks of these arguments read (the window's sides, softcap's value, the
+    slopes' and the sinks' shape, dtype and device; the checks of the call's other arguments read
+    the rest), () for none of them, or None where a value's type alone calls for the full checks:
+    a window that is not a pair of ints, a softcap that is not an int or a float, a tensor
+    subclass other than a Parameter."""
+    if window_size is None and softcap is None and alibi_slopes is None and sinks is None:
+        return ()
+    key = (_window_key(window_size), _softcap_key(softcap), _tensor_key(alibi_slopes), _tensor_key(sinks))
+    return None if any(part is _UNKEYED for part in key) else key
+
+
+def _window_key(window_size):
+    if window_size is None:
+        return None
+    if type(window_size) not in (tuple, list) or len(window_size) != 2:
+        return _UNKEYED
+    if any(type(side) is not int for side in window_size):
+        return _UNKEYED
+    return tuple(window_size)
+
+
+def _softcap_key(softcap):
+    return softcap if softcap is None or type(softcap) in (int, float) else _UNKEYED
+
+
+def _tensor_key(t):
+    if t is None:
+        return None
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return _UNKEYED
+    return t.shape, t.dtype, t.device
 
 
 def padded_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
