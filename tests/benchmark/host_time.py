@@ -13,10 +13,14 @@ in alternating processes, several each:
 With --stubbed, any machine, no GPU: our launch path alone (`launch.forward` then
 `launch.backward`, with the sinks' gradient where there are sinks) with cuTile's launch and the
 GPU's facts stubbed, on CPU tensors, the least of rounds; steadier than the GPU machine's host,
-for comparing trees. After the first calls these replay their prepared launches; --unprepared
-drops the plans before each call, timing the launch path that builds them:
+for comparing trees:
 
-    python tests/benchmark/host_time.py --stubbed [--unprepared]
+    python tests/benchmark/host_time.py --stubbed
+
+After the first calls ours replay their prepared launches; --unprepared (either way) drops the
+plans before each call, timing the launch path that builds them:
+
+    python tests/benchmark/host_time.py [--stubbed] --unprepared
 
 Prints microseconds per call; writes no files.
 """
@@ -74,19 +78,25 @@ def _rounds_us(call, calls: int, rounds: int, asleep: bool) -> list[float]:
     return sorted(times)
 
 
-def _training_calls(attention, inputs: tuple, d_out) -> dict:
-    """The forward, the backward of one kept graph, and both, as calls without arguments."""
+def _training_calls(attention, inputs: tuple, d_out, unprepared: bool) -> dict:
+    """The forward, the backward of one kept graph, and both, as calls without arguments;
+    unprepared: each after dropping the prepared launches."""
     import torch
 
+    from tilegym.ops.attention import prepared
+
     out = attention(*inputs)
-    return {
+    calls = {
         "fwd": lambda: attention(*inputs),
         "bwd": lambda: torch.autograd.grad(out, inputs, d_out, retain_graph=True),
         "fwd+bwd": lambda: torch.autograd.grad(attention(*inputs), inputs, d_out),
     }
+    if not unprepared:
+        return calls
+    return {mode: lambda call=call: (prepared._plans.clear(), call()) for mode, call in calls.items()}
 
 
-def _on_the_gpu(calls: int, rounds: int) -> None:
+def _on_the_gpu(calls: int, rounds: int, unprepared: bool) -> None:
     import torch
 
     from tests.benchmark import bench_varlen
@@ -96,9 +106,11 @@ def _on_the_gpu(calls: int, rounds: int) -> None:
         for _ in range(3):  # compiles and tunes outside the timing
             torch.autograd.grad(attention(*inputs), inputs, d_out)
         torch.cuda.synchronize()
-        modes = _training_calls(attention, inputs, d_out)
+        modes = _training_calls(attention, inputs, d_out, unprepared and provider == "cutile")
         medians = {mode: _rounds_us(call, calls, rounds, asleep=True) for mode, call in modes.items()}
         row = "  ".join(f"{mode} {times[len(times) // 2]:6.0f}" for mode, times in medians.items())
+        if unprepared and provider == "cutile":
+            provider = "unprepared"
         print(f"{label:36s} {provider:11s} host us per call, median of {rounds} rounds: {row}", flush=True)
 
     for shape in SHAPES:
@@ -188,14 +200,14 @@ def _stubbed(calls: int, rounds: int, unprepared: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
     p.add_argument("--stubbed", action="store_true", help="time our launch path alone, without a GPU")
-    p.add_argument("--unprepared", action="store_true", help="with --stubbed: no prepared launches")
+    p.add_argument("--unprepared", action="store_true", help="ours without prepared launches")
     p.add_argument("--calls", type=int, default=40, help="back-to-back calls per round")
     p.add_argument("--rounds", type=int, default=7, help="rounds per measurement")
     args = p.parse_args()
     if args.stubbed:
         _stubbed(args.calls, args.rounds, args.unprepared)
     else:
-        _on_the_gpu(args.calls, args.rounds)
+        _on_the_gpu(args.calls, args.rounds, args.unprepared)
 
 
 if __name__ == "__main__":
