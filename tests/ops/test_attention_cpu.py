@@ -860,6 +860,33 @@ def test_op_backward_compiled_ahead_as_launched(monkeypatch, choice, q_heads, bi
         assert [_layout(a) for a in args] == [_layout(a) for a in made_args], name
 
 
+@pytest.mark.parametrize("choice", ["two-kernel", "fused"])
+def test_op_packed_backward_compiled_ahead_as_launched(monkeypatch, choice):
+    """Packed, compile_backward_ahead takes the caller's [total, H, D] tensors and starts the
+    launches backward_packed makes, once per problem; a known problem makes no views."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", choice)
+    monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+    monkeypatch.setattr(launch, "_compiled_ahead", collections.OrderedDict())
+    _RecordingLauncher.launches, _RecordingLauncher.compiled_ahead = [], []
+    q, k, v = (torch.randn(21, heads, 64, dtype=torch.bfloat16) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 5, 21], dtype=torch.int32)
+    problem, tensors, lengths = _checked_on_the_cpu(q, k, v, cu, cu, 16, 16, None, True)
+    launch.compile_backward_ahead(q, k, v, problem, tensors, False, False, lengths)
+    heads_major = launch.packing.heads_major
+    monkeypatch.setattr(launch.packing, "heads_major", None)  # a known problem makes no views
+    launch.compile_backward_ahead(q, k, v, problem, tensors, False, False, lengths)
+    monkeypatch.setattr(launch.packing, "heads_major", heads_major)
+    out, lse = torch.randn_like(q), torch.randn(4, 21)
+    launch.backward_packed(torch.randn_like(out), q, k, v, out, lse, problem, tensors, lengths, None, False)
+
+    ahead, launched = _RecordingLauncher.compiled_ahead, _RecordingLauncher.launches
+    assert len(launched) == 2 and len(ahead) == 2
+    for started, made in zip(ahead, launched, strict=True):
+        (name, kernel, grid, args, _), (made_name, made_kernel, made_grid, made_args, _) = started, made
+        assert (name, kernel, grid) == (made_name, made_kernel, made_grid)
+        assert [_layout(a) for a in args] == [_layout(a) for a in made_args], name
+
+
 def test_op_backward_not_compiled_ahead_without_memory_for_stand_ins(monkeypatch):
     """Compiling ahead is only a head start: when its stand-in tensors do not fit, the forward goes on."""
 

@@ -59,7 +59,7 @@ from tilegym.ops.attention import custom_ops, launch, predefined
 from tilegym.ops.attention.autograd import AttentionFunction, PackedAttentionFunction
 from tilegym.ops.attention.block_mask import BlockMask
 from tilegym.ops.attention.caller_functions import CallerFunctions, closure_free, operator_key
-from tilegym.ops.attention.packing import check_packed_inputs, heads_major
+from tilegym.ops.attention.packing import check_packed_inputs
 from tilegym.ops.attention.problem import check_inputs
 
 __all__ = ["tile_fmha", "fmha_forward_with_lse", "tile_fmha_with_backward", "tile_fmha_functional", "tile_fmha_varlen"]
@@ -432,8 +432,7 @@ def _packed_eager(
         problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad, cu_seqlens)
     if needs_grad:
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
-        views = heads_major(q), heads_major(k), heads_major(v)
-        launch.compile_backward_ahead(*views, problem, mod_tensors, False, sinks_grad, cu_seqlens)
+        launch.compile_backward_ahead(q, k, v, problem, mod_tensors, False, sinks_grad, cu_seqlens)
         return PackedAttentionFunction.apply(q, k, v, mods.sinks, problem, mod_tensors, cu_seqlens, *mod_tensors.aux)
     return launch.forward_packed(q, k, v, problem, with_lse, mod_tensors, cu_seqlens)
 

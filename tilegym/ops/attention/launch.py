@@ -629,7 +629,8 @@ def compile_backward_ahead(
     that the backward's compiles run alongside its own. Its tensors are stand-ins shaped and
     laid out like the backward's (a contiguous out and d_out), dropped on return; where they do
     not fit in memory, nothing is started. Whether the LSE will get a gradient is not known
-    yet: the kernels without one are compiled."""
+    yet: the kernels without one are compiled. Packed (cu_seqlens given), q, k and v are the
+    caller's [total, H, D] tensors, viewed only when something is compiled."""
     sinks_grad = sinks_grad and problem.mods.sinks
     key = (problem, q.device, bias_grad, sinks_grad)
     if key in _compiled_ahead:
@@ -637,6 +638,8 @@ def compile_backward_ahead(
         return
     if _backward_is_empty(problem):
         return
+    if cu_seqlens is not None:
+        q, k, v = packing.heads_major(q), packing.heads_major(k), packing.heads_major(v)
     _compiled_ahead[key] = None
     if len(_compiled_ahead) > _COMPILED_AHEAD_MAX:
         _compiled_ahead.popitem(last=False)
