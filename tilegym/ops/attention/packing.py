@@ -83,7 +83,7 @@ def check_packed_inputs(
     key = None if contents else _call_key(q, k, v, *lengths, scaling, is_causal, *modifiers)
     problem = _checked_calls.get(key) if key is not None else None
     if problem is not None:
-        mod_tensors = score_mods.kernel_tensors(alibi_slopes, sinks, q, problem.q_heads)
+        mod_tensors = score_mods.kernel_tensors(alibi_slopes, sinks, q.dtype, problem.q_heads)
         return problem, mod_tensors, CuSeqlens(cu_seqlens_q, cu_seqlens_k)
     checked = _check_in_full(q, k, v, *lengths, scaling, is_causal, *modifiers, read_contents)
     # As for dense calls, a tensor spanning more than 2**31 bytes is checked in full each time.

@@ -112,7 +112,7 @@ def check_tensor(name: str, t, layout: tuple[str, ...] = DENSE_LAYOUT) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
 
 
-# Problems of calls without attn_bias that passed every check, by _call_key: a training loop
+# Problems of calls without attn_bias that passed every check, by call_key: a training loop
 # repeats a few calls, whose full checks cost the host tens of microseconds. A bias is checked
 # in full each time: its view for the kernels depends on its strides and on its gradient.
 _checked_calls: dict[tuple, AttentionProblem] = {}
@@ -141,7 +141,7 @@ def check_inputs(
         key = call_key(q, k, v, scaling, is_causal, window_size, softcap, alibi_slopes, sinks)
     problem = _checked_calls.get(key) if key is not None else None
     if problem is not None:
-        return problem, score_mods.kernel_tensors(alibi_slopes, sinks, q, problem.q_heads)
+        return problem, score_mods.kernel_tensors(alibi_slopes, sinks, q.dtype, problem.q_heads)
     problem, mod_tensors = _check_all_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad, sinks
     )

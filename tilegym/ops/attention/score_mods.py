@@ -258,13 +258,13 @@ def kernel_sinks(sinks: torch.Tensor, q_dtype: torch.dtype) -> torch.Tensor:
     return sinks.detach().to(dtype).contiguous()
 
 
-def kernel_tensors(alibi_slopes, sinks, q: torch.Tensor, q_heads: int) -> ModTensors:
+def kernel_tensors(alibi_slopes, sinks, q_dtype: torch.dtype, q_heads: int) -> ModTensors:
     """The ModTensors of a call without attn_bias whose arguments passed their checks before
     (modifiers_key): this call's slopes and sinks as the kernels take them."""
     if alibi_slopes is None and sinks is None:
         return NO_TENSORS
     slopes = None if alibi_slopes is None else kernel_slopes(alibi_slopes, q_heads)
-    return ModTensors(slopes=slopes, sinks=None if sinks is None else kernel_sinks(sinks, q.dtype))
+    return ModTensors(slopes=slopes, sinks=None if sinks is None else kernel_sinks(sinks, q_dtype))
 
 
 _UNKEYED = object()  # a value whose type alone calls for the full checks
