@@ -22,6 +22,12 @@ plans before each call, timing the launch path that builds them:
 
     python tests/benchmark/host_time.py [--stubbed] --unprepared
 
+With --parts, on a GPU, the plain rows also time where ours goes: a bare autograd.Function that
+allocates and saves as ours does and launches nothing (the floor any Python function pays), ours
+with cuTile's launch replaced by one that does nothing, and cuTile's launch itself, per launch:
+
+    python tests/benchmark/host_time.py --parts
+
 Prints microseconds per call; writes no files.
 """
 
@@ -96,7 +102,54 @@ def _training_calls(attention, inputs: tuple, d_out, unprepared: bool) -> dict:
     return {mode: lambda call=call: (prepared._plans.clear(), call()) for mode, call in calls.items()}
 
 
-def _on_the_gpu(calls: int, rounds: int, unprepared: bool) -> None:
+def _bare_function():
+    """attention(q, k, v) through an autograd.Function that allocates and saves as ours does
+    (out and the LSE; the gradients) and launches nothing."""
+    import torch
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.set_materialize_grads(False)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, d_out, d_lse):
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    return lambda q, k, v: Bare.apply(q, k, v)[0]
+
+
+def _timed_launches(attention, inputs: tuple, calls: int) -> str:
+    """cuTile's launch during fwd+bwd calls of ours: launches per call and host us per launch."""
+    import cuda.tile as ct
+    import torch
+
+    launch, spent = ct.launch, []
+
+    def timed_launch(*args, **kwargs):
+        start = time.perf_counter()
+        launch(*args, **kwargs)
+        spent.append(time.perf_counter() - start)
+
+    d_out = torch.randn_like(inputs[0])
+    ct.launch = timed_launch
+    try:
+        torch.cuda._sleep(_ASLEEP_CYCLES)
+        for _ in range(calls):
+            torch.autograd.grad(attention(*inputs), inputs, d_out)
+        torch.cuda.synchronize()
+    finally:
+        ct.launch = launch
+    spent.sort()
+    return f"{len(spent) / calls:.0f} launches per fwd+bwd, median {spent[len(spent) // 2] * 1e6:.1f} us each"
+
+
+def _on_the_gpu(calls: int, rounds: int, unprepared: bool, parts: bool) -> None:
+    import cuda.tile as ct
     import torch
 
     from tests.benchmark import bench_varlen
@@ -121,6 +174,15 @@ def _on_the_gpu(calls: int, rounds: int, unprepared: bool) -> None:
             except bench_utils.Unavailable:
                 continue
             timed(_label(shape), provider, attention, inputs)
+        if parts and not shape.option:
+            timed(_label(shape), "bare", _bare_function(), inputs)
+            ours = bench_utils.attention_fn("cutile", shape, True)
+            launch, ct.launch = ct.launch, lambda *args, **kwargs: None
+            try:
+                timed(_label(shape), "no launch", ours, inputs)
+            finally:
+                ct.launch = launch
+            print(f"{_label(shape):36s} cuTile's launch: {_timed_launches(ours, inputs, calls)}", flush=True)
     batch = bench_varlen.pack(_drawn_lengths())
     inputs = bench_varlen.packed_inputs(PACKED_SHAPE, batch, bench_varlen.SEED)
     label = f"packed {len(batch.lengths)} sequences {PACKED_SHAPE.series}"
@@ -201,13 +263,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
     p.add_argument("--stubbed", action="store_true", help="time our launch path alone, without a GPU")
     p.add_argument("--unprepared", action="store_true", help="ours without prepared launches")
+    p.add_argument("--parts", action="store_true", help="on a GPU: a bare Function, ours without launches, a launch")
     p.add_argument("--calls", type=int, default=40, help="back-to-back calls per round")
     p.add_argument("--rounds", type=int, default=7, help="rounds per measurement")
     args = p.parse_args()
     if args.stubbed:
         _stubbed(args.calls, args.rounds, args.unprepared)
     else:
-        _on_the_gpu(args.calls, args.rounds, args.unprepared)
+        _on_the_gpu(args.calls, args.rounds, args.unprepared, args.parts)
 
 
 if __name__ == "__main__":
