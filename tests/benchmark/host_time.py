@@ -32,6 +32,7 @@ Prints microseconds per call; writes no files.
 """
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
@@ -123,33 +124,44 @@ def _bare_function():
     return lambda q, k, v: Bare.apply(q, k, v)[0]
 
 
+@contextlib.contextmanager
+def _launch_replaced(replacement):
+    """cuTile's launch replaced, within the block, by replacement(launch) (launch: the real one)."""
+    import cuda.tile as ct
+
+    launch = ct.launch
+    ct.launch = replacement(launch)
+    try:
+        yield
+    finally:
+        ct.launch = launch
+
+
 def _timed_launches(attention, inputs: tuple, calls: int) -> str:
     """cuTile's launch during fwd+bwd calls of ours: launches per call and host us per launch."""
-    import cuda.tile as ct
     import torch
 
-    launch, spent = ct.launch, []
+    spent = []
 
-    def timed_launch(*args, **kwargs):
-        start = time.perf_counter()
-        launch(*args, **kwargs)
-        spent.append(time.perf_counter() - start)
+    def timed(launch):
+        def timed_launch(*args, **kwargs):
+            start = time.perf_counter()
+            launch(*args, **kwargs)
+            spent.append(time.perf_counter() - start)
+
+        return timed_launch
 
     d_out = torch.randn_like(inputs[0])
-    ct.launch = timed_launch
-    try:
+    with _launch_replaced(timed):
         torch.cuda._sleep(_ASLEEP_CYCLES)
         for _ in range(calls):
             torch.autograd.grad(attention(*inputs), inputs, d_out)
         torch.cuda.synchronize()
-    finally:
-        ct.launch = launch
     spent.sort()
     return f"{len(spent) / calls:.0f} launches per fwd+bwd, median {spent[len(spent) // 2] * 1e6:.1f} us each"
 
 
 def _on_the_gpu(calls: int, rounds: int, unprepared: bool, parts: bool) -> None:
-    import cuda.tile as ct
     import torch
 
     from tests.benchmark import bench_varlen
@@ -177,11 +189,8 @@ def _on_the_gpu(calls: int, rounds: int, unprepared: bool, parts: bool) -> None:
         if parts and not shape.option:
             timed(_label(shape), "bare", _bare_function(), inputs)
             ours = bench_utils.attention_fn("cutile", shape, True)
-            launch, ct.launch = ct.launch, lambda *args, **kwargs: None
-            try:
+            with _launch_replaced(lambda launch: lambda *args, **kwargs: None):
                 timed(_label(shape), "no launch", ours, inputs)
-            finally:
-                ct.launch = launch
             print(f"{_label(shape):36s} cuTile's launch: {_timed_launches(ours, inputs, calls)}", flush=True)
     batch = bench_varlen.pack(_drawn_lengths())
     inputs = bench_varlen.packed_inputs(PACKED_SHAPE, batch, bench_varlen.SEED)

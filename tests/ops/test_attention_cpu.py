@@ -232,7 +232,7 @@ def test_op_calls_are_checked_in_full_once(monkeypatch):
     every check."""
     checks = _CountingChecks()
     monkeypatch.setattr(problem_mod, "_check_all_inputs", checks)
-    monkeypatch.setattr(problem_mod, "_checked_calls", {})
+    monkeypatch.setattr(problem_mod, "_checked_calls", problem_mod.CheckedCalls())
     q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
     first, _ = problem_mod.check_inputs(q, k, v, None, True)
     again, mod_tensors = problem_mod.check_inputs(torch.randn_like(q), k.clone(), v.clone(), None, True)
@@ -281,7 +281,7 @@ def test_op_calls_are_checked_in_full_once(monkeypatch):
 def test_op_known_calls_take_their_own_sinks_and_slopes(monkeypatch):
     """A call that takes a checked problem gets its own sinks and slopes as the kernels take them
     (the full checks' views), not those of the call checked first."""
-    monkeypatch.setattr(problem_mod, "_checked_calls", {})
+    monkeypatch.setattr(problem_mod, "_checked_calls", problem_mod.CheckedCalls())
     q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
     batch, heads, seqlen, head_dim = q.shape
     problem = problem_mod.AttentionProblem(batch, heads, 4, seqlen, seqlen, head_dim, q.dtype, 0.125, True)
@@ -308,11 +308,11 @@ def test_op_known_calls_take_their_own_sinks_and_slopes(monkeypatch):
 
 def test_op_call_memo_is_bounded(monkeypatch):
     monkeypatch.setattr(problem_mod, "_check_all_inputs", _CountingChecks())
-    monkeypatch.setattr(problem_mod, "_checked_calls", {})
+    monkeypatch.setattr(problem_mod, "_checked_calls", problem_mod.CheckedCalls())
     q, k, v = _cpu_inputs(kv_shape=(1, 4, 16, 64))
-    for i in range(problem_mod._CHECKED_CALLS_MAX + 5):
+    for i in range(problem_mod.CheckedCalls.MAX + 5):
         problem_mod.check_inputs(q, k, v, 1.0 + i, True)
-    assert len(problem_mod._checked_calls) <= problem_mod._CHECKED_CALLS_MAX
+    assert len(problem_mod._checked_calls) <= problem_mod.CheckedCalls.MAX
 
 
 def test_op_split_float_is_exact_to_fp64_rounding():
@@ -1209,7 +1209,7 @@ def test_op_packed_calls_are_checked_in_full_once(monkeypatch):
         return problem, score_mods.ModTensors(), packing.CuSeqlens(cu_seqlens_q, cu_seqlens_k)
 
     monkeypatch.setattr(packing, "_check_in_full", full_checks)
-    monkeypatch.setattr(packing, "_checked_calls", {})
+    monkeypatch.setattr(packing, "_checked_calls", problem_mod.CheckedCalls())
     monkeypatch.delenv(packing.CHECK_VARLEN, raising=False)
     q, k, v = (torch.randn(12, heads, 64, dtype=torch.bfloat16) for heads in (4, 2, 2))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilegym import env, index_width
+from tilegym import env
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention import score_mods
 from tilegym.ops.attention.problem import _MAX_GRID_YZ, AttentionProblem, Packing, _check_all_inputs, check_tensor
@@ -49,11 +49,8 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     return torch.empty((problem.q_heads, problem.packing.total_q), dtype=problem.stat_dtype, device=device)
 
 
-# Problems of packed calls that passed every check, by _call_key: as for dense calls
-# (problem.check_inputs), a training loop repeats a few calls, whose full checks cost the host
-# tens of microseconds each.
-_checked_calls: dict[tuple, AttentionProblem] = {}
-_CHECKED_CALLS_MAX = 1024
+# Packed calls, by _call_key.
+_checked_calls = problem_mod.CheckedCalls()
 
 
 def check_packed_inputs(
@@ -81,16 +78,12 @@ def check_packed_inputs(
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     modifiers = (window_size, softcap, alibi_slopes, sinks)
     key = None if contents else _call_key(q, k, v, *lengths, scaling, is_causal, *modifiers)
-    problem = _checked_calls.get(key) if key is not None else None
+    problem = _checked_calls.find(key)
     if problem is not None:
         mod_tensors = score_mods.kernel_tensors(alibi_slopes, sinks, q.dtype, problem.q_heads)
         return problem, mod_tensors, CuSeqlens(cu_seqlens_q, cu_seqlens_k)
     checked = _check_in_full(q, k, v, *lengths, scaling, is_causal, *modifiers, read_contents)
-    # As for dense calls, a tensor spanning more than 2**31 bytes is checked in full each time.
-    if key is not None and not any(index_width.spans_past_int32(t) for t in (q, k, v)):
-        if len(_checked_calls) >= _CHECKED_CALLS_MAX:
-            _checked_calls.clear()
-        _checked_calls[key] = checked[0]
+    _checked_calls.keep(key, checked[0], q, k, v)
     return checked
 
 

@@ -112,11 +112,35 @@ def check_tensor(name: str, t, layout: tuple[str, ...] = DENSE_LAYOUT) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are {names}")
 
 
-# Problems of calls without attn_bias that passed every check, by call_key: a training loop
-# repeats a few calls, whose full checks cost the host tens of microseconds. A bias is checked
-# in full each time: its view for the kernels depends on its strides and on its gradient.
-_checked_calls: dict[tuple, AttentionProblem] = {}
-_CHECKED_CALLS_MAX = 1024
+class CheckedCalls:
+    """Problems of calls that passed every check, by a key of everything the checks read (None:
+    no key): a training loop repeats a few calls, whose full checks cost the host tens of
+    microseconds. Bounded: cleared when full."""
+
+    MAX = 1024
+
+    def __init__(self):
+        self._problems: dict[tuple, AttentionProblem] = {}
+
+    def __len__(self) -> int:
+        return len(self._problems)
+
+    def find(self, key: tuple | None) -> "AttentionProblem | None":
+        return None if key is None else self._problems.get(key)
+
+    def keep(self, key: tuple | None, problem: "AttentionProblem", q, k, v) -> None:
+        # Whether a tensor spanning more than 2**31 bytes needs int64 indexing also depends on its
+        # address (index_width), which a key leaves out: such calls are checked in full each time.
+        if key is None or any(index_width.spans_past_int32(t) for t in (q, k, v)):
+            return
+        if len(self._problems) >= self.MAX:
+            self._problems.clear()
+        self._problems[key] = problem
+
+
+# Dense calls without attn_bias, by call_key. A bias is checked in full each time: its view for
+# the kernels depends on its strides and on its gradient.
+_checked_calls = CheckedCalls()
 
 
 def check_inputs(
@@ -139,18 +163,13 @@ def check_inputs(
     key = None
     if attn_bias is None:
         key = call_key(q, k, v, scaling, is_causal, window_size, softcap, alibi_slopes, sinks)
-    problem = _checked_calls.get(key) if key is not None else None
+    problem = _checked_calls.find(key)
     if problem is not None:
         return problem, score_mods.kernel_tensors(alibi_slopes, sinks, q.dtype, problem.q_heads)
     problem, mod_tensors = _check_all_inputs(
         q, k, v, scaling, is_causal, attn_bias, window_size, softcap, alibi_slopes, bias_grad, sinks
     )
-    # Whether a tensor spanning more than 2**31 bytes needs int64 indexing also depends on its
-    # address (index_width), which the key leaves out: such calls are checked in full each time.
-    if key is not None and not any(index_width.spans_past_int32(t) for t in (q, k, v)):
-        if len(_checked_calls) >= _CHECKED_CALLS_MAX:
-            _checked_calls.clear()
-        _checked_calls[key] = problem
+    _checked_calls.keep(key, problem, q, k, v)
     return problem, mod_tensors
 
 
