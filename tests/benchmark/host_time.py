@@ -24,9 +24,13 @@ plans before each call, timing the launch path that builds them:
 
 With --parts, on a GPU, the plain rows also time where ours goes: a bare autograd.Function that
 allocates and saves as ours does and launches nothing (the floor any Python function pays), ours
-with cuTile's launch replaced by one that does nothing, and cuTile's launch itself, per launch:
+with cuTile's launch replaced by one that does nothing, and cuTile's launch itself, per launch;
+and every row adds the forward and the backward as timed within back-to-back fwd+bwd calls
+("alternating"), where each follows the other's work. The backward runs on autograd's device
+thread; pinned to one core, the process keeps both threads' work on one core's caches:
 
     python tests/benchmark/host_time.py --parts
+    taskset -c 4 python tests/benchmark/host_time.py --parts
 
 Prints microseconds per call; writes no files.
 """
@@ -83,6 +87,28 @@ def _rounds_us(call, calls: int, rounds: int, asleep: bool) -> list[float]:
         if asleep:
             torch.cuda.synchronize()
     return sorted(times)
+
+
+def _alternating_us(attention, inputs: tuple, d_out, calls: int, rounds: int) -> tuple[float, float]:
+    """Back-to-back fwd+bwd calls timed by part: the medians over rounds of the host us per call
+    of the forward and of the backward (torch.autograd.grad), each following the other."""
+    import torch
+
+    forward_times, backward_times = [], []
+    for _ in range(rounds):
+        torch.cuda._sleep(_ASLEEP_CYCLES)
+        forward = backward = 0.0
+        for _ in range(calls):
+            start = time.perf_counter()
+            out = attention(*inputs)
+            middle = time.perf_counter()
+            torch.autograd.grad(out, inputs, d_out)
+            forward += middle - start
+            backward += time.perf_counter() - middle
+        forward_times.append(forward / calls * 1e6)
+        backward_times.append(backward / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(forward_times)[rounds // 2], sorted(backward_times)[rounds // 2]
 
 
 def _training_calls(attention, inputs: tuple, d_out, unprepared: bool) -> dict:
@@ -174,6 +200,9 @@ def _on_the_gpu(calls: int, rounds: int, unprepared: bool, parts: bool) -> None:
         modes = _training_calls(attention, inputs, d_out, unprepared and provider == "cutile")
         medians = {mode: _rounds_us(call, calls, rounds, asleep=True) for mode, call in modes.items()}
         row = "  ".join(f"{mode} {times[len(times) // 2]:6.0f}" for mode, times in medians.items())
+        if parts:
+            forward, backward = _alternating_us(attention, inputs, d_out, calls, rounds)
+            row += f"  alternating: fwd {forward:6.0f}  bwd {backward:6.0f}"
         if unprepared and provider == "cutile":
             provider = "unprepared"
         print(f"{label:36s} {provider:11s} host us per call, median of {rounds} rounds: {row}", flush=True)
@@ -272,7 +301,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=bench_utils.HelpFormatter)
     p.add_argument("--stubbed", action="store_true", help="time our launch path alone, without a GPU")
     p.add_argument("--unprepared", action="store_true", help="ours without prepared launches")
-    p.add_argument("--parts", action="store_true", help="on a GPU: a bare Function, ours without launches, a launch")
+    p.add_argument(
+        "--parts",
+        action="store_true",
+        help="on a GPU: a bare Function, ours without launches, a launch; fwd and bwd alternating",
+    )
     p.add_argument("--calls", type=int, default=40, help="back-to-back calls per round")
     p.add_argument("--rounds", type=int, default=7, help="rounds per measurement")
     args = p.parse_args()
