@@ -25,9 +25,10 @@ plans before each call, timing the launch path that builds them:
 With --parts, on a GPU, the plain rows also time where ours goes: a bare autograd.Function that
 allocates and saves as ours does and launches nothing (the floor any Python function pays), ours
 with cuTile's launch replaced by one that does nothing, and cuTile's launch itself, per launch;
-and every row adds the forward and the backward as timed within back-to-back fwd+bwd calls
-("alternating"), where each follows the other's work. The backward runs on autograd's device
-thread; pinned to one core, the process keeps both threads' work on one core's caches:
+and every row (ours only where prepared) adds the forward and the backward as timed within
+back-to-back fwd+bwd calls ("alternating"), where each follows the other's work. The backward
+runs on autograd's device thread; pinned to one core, the process keeps both threads' work on
+one core's caches:
 
     python tests/benchmark/host_time.py --parts
     taskset -c 4 python tests/benchmark/host_time.py --parts
@@ -200,7 +201,7 @@ def _on_the_gpu(calls: int, rounds: int, unprepared: bool, parts: bool) -> None:
         modes = _training_calls(attention, inputs, d_out, unprepared and provider == "cutile")
         medians = {mode: _rounds_us(call, calls, rounds, asleep=True) for mode, call in modes.items()}
         row = "  ".join(f"{mode} {times[len(times) // 2]:6.0f}" for mode, times in medians.items())
-        if parts:
+        if parts and not (unprepared and provider == "cutile"):  # the alternating calls are prepared
             forward, backward = _alternating_us(attention, inputs, d_out, calls, rounds)
             row += f"  alternating: fwd {forward:6.0f}  bwd {backward:6.0f}"
         if unprepared and provider == "cutile":
