@@ -7,8 +7,8 @@ the config tables (configs.py). Four parts:
 - compile: a variant's launch signature, built from its kernel's parameter names and
   annotations as PyTorch tensors would fill it, and its cubin for one arch (sm_90, sm_100, ...),
   optionally with score-modifier switches on or every array indexed by int64.
-- read: the cubin's SASS (cuobjdump), instruction counts, and whether ptxas serialized the
-  warpgroup matmuls.
+- read: the cubin's SASS (cuobjdump), instruction counts, the innermost matmul loops (the
+  steps a kernel repeats per tile), and whether ptxas serialized the warpgroup matmuls.
 - fingerprints: hashes of every variant's plain sm_90 code, stored in sass_fingerprints.json,
   to prove the score modifiers cost plain attention nothing.
 - matmul waits: how much work the compiler overlaps with each warpgroup matmul.
@@ -17,6 +17,7 @@ Command line, `python -m tests.ops.sass COMMAND`:
   list                         every variant: its pinned switches, whether it takes modifiers
   fingerprints [--update]      compare the plain code with the stored fingerprints, or rewrite them
   waits [VARIANT ...]          matmul waits at the default sm_90 configs (default: every variant)
+  loops VARIANT [--packed]     instructions per matmul loop, dense or packed
   dump VARIANT                 print one variant's SASS
 """
 
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -218,11 +220,26 @@ _ADDRESSED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 _BRANCH_TARGET = re.compile(r"\bBRA\s+0x([0-9a-f]+)")
 
 
-def spills_in_matmul_loops(text: str) -> int:
-    """Local-memory instructions (LDL/STL) inside the innermost loops that issue warpgroup MMA:
-    the steps a kernel repeats per tile. A spill around them (a loop bound kept across a loop)
-    costs once per loop. Loops are the ranges of backward branches before the kernel's last
-    EXIT; the slow paths placed after it (barrier waits) jump back from there and are no loops."""
+@dataclass(frozen=True)
+class MatmulLoop:
+    """An innermost loop that issues warpgroup MMA: the steps a kernel repeats per tile. Its
+    address range and its instructions' opcodes in order (no predicate, no modifiers)."""
+
+    start: int
+    end: int
+    opcodes: tuple[str, ...]
+
+
+def _opcode(instruction: str) -> str:
+    words = instruction.split() or [""]
+    word = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+    return word.split(".")[0]
+
+
+def matmul_loops(text: str) -> list[MatmulLoop]:
+    """The innermost loops of a listing that issue warpgroup MMA. Loops are the ranges of
+    backward branches before the kernel's last EXIT; the slow paths placed after it (barrier
+    waits) jump back from there and are no loops."""
     instructions = [(int(address, 16), body) for address, body in _ADDRESSED.findall(text)]
     last_exit = max((address for address, body in instructions if re.search(r"\bEXIT\b", body)), default=0)
     loops = []
@@ -235,12 +252,18 @@ def spills_in_matmul_loops(text: str) -> int:
         for start, end in loops
         if not any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops)
     ]
-    spills = 0
+    found = []
     for start, end in innermost:
-        lines = [line for address, line in instructions if start <= address <= end]
-        if any(re.search(r"\bHGMMA\b", line) for line in lines):
-            spills += sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in lines)
-    return spills
+        opcodes = tuple(_opcode(body) for address, body in instructions if start <= address <= end)
+        if "HGMMA" in opcodes:
+            found.append(MatmulLoop(start, end, opcodes))
+    return found
+
+
+def spills_in_matmul_loops(text: str) -> int:
+    """Local-memory instructions (LDL/STL) inside the innermost matmul loops (matmul_loops). A
+    spill around them (a loop bound kept across a loop) costs once per loop."""
+    return sum(opcode in ("LDL", "STL") for loop in matmul_loops(text) for opcode in loop.opcodes)
 
 
 def matmuls_serialized(text: str) -> bool:
@@ -399,6 +422,32 @@ def _waits(names, head_dims, causal: bool) -> None:
                 print(f"{name}, D={head_dim} ({tile}): {found}", flush=True)
 
 
+def _loops(name: str, head_dim: int, causal: bool, packed: bool, tiles, arch: str) -> None:
+    """Instructions of each innermost matmul loop (matmul_loops) of a variant's plain bf16 form,
+    dense or packed, at its table's first config or the one with these tiles."""
+    choices = configs.candidates(name, arch, head_dim, 2)
+    if tiles:
+        choices = [config for config in choices if (config.block_m, config.block_n) == tuple(tiles)]
+    if not choices:
+        raise ValueError(
+            f"{name} has no {arch} config at head dim {head_dim}" + (f" with tiles {tiles}" if tiles else "")
+        )
+    config = choices[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = compile_cubin(
+            name, ct.bfloat16, head_dim, config, causal, arch, Path(tmp) / "k.cubin", {"varlen": packed}
+        )  # fmt: skip
+        loops = matmul_loops(disassemble(cubin))
+    form = "packed" if packed else "dense"
+    print(f"{name}, D={head_dim} ({config.block_m}x{config.block_n}), {form}: {len(loops)} matmul loops")
+    for loop in loops:
+        counts = Counter(loop.opcodes).most_common()
+        print(
+            f"  {loop.start:#07x}-{loop.end:#07x}: {len(loop.opcodes)} instructions; "
+            + " ".join(f"{op} {n}" for op, n in counts)
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -427,6 +476,13 @@ def main(argv=None) -> int:
     waits.add_argument("variants", nargs="*", metavar="VARIANT", help="default: every variant")
     waits.add_argument("--head-dims", type=int, nargs="+", default=list(FINGERPRINT_HEAD_DIMS))
     waits.add_argument("--causal", action="store_true")
+    loops = commands.add_parser("loops", help="instructions per matmul loop of a variant, dense or packed")
+    loops.add_argument("variant", metavar="VARIANT")
+    loops.add_argument("--head-dim", type=int, default=128)
+    loops.add_argument("--causal", action="store_true")
+    loops.add_argument("--packed", action="store_true", help="the packed variable-length form (varlen)")
+    loops.add_argument("--tiles", type=int, nargs=2, metavar=("BLOCK_M", "BLOCK_N"), help="a config of the table")
+    loops.add_argument("--arch", default="sm_90", choices=configs.ARCHS)
     dump = commands.add_parser("dump", help="print a variant's plain bf16 SASS at its default config")
     dump.add_argument("variant", metavar="VARIANT")
     dump.add_argument("--head-dim", type=int, default=128)
@@ -442,7 +498,14 @@ def main(argv=None) -> int:
     unknown = [name for name in names if name not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {', '.join(unknown)}; `list` names them")
-    if args.command == "waits":
+    if args.command == "loops":
+        if args.packed and not takes(args.variant, "varlen"):
+            parser.error(f"{args.variant} has no packed form")
+        try:
+            _loops(args.variant, args.head_dim, args.causal, args.packed, args.tiles, args.arch)
+        except ValueError as error:
+            parser.error(str(error))
+    elif args.command == "waits":
         _waits(names, args.head_dims, args.causal)
     elif not configs.candidates(args.variant, args.arch, args.head_dim, 2):
         parser.error(f"{args.variant} has no {args.arch} config at head dim {args.head_dim}")

@@ -1,7 +1,15 @@
-"""The reading of matmul waits and spills from SASS (tests/ops/sass.py: matmul_waits,
-matmuls_serialized, spills_in_matmul_loops), on hand-written listings."""
+"""The reading of matmul waits, loops and spills from SASS (tests/ops/sass.py: matmul_waits,
+matmuls_serialized, matmul_loops, spills_in_matmul_loops), on hand-written listings."""
 
-from tests.ops.sass import Wait, matmul_waits, matmuls_serialized, spills_in_matmul_loops, summary
+from tests.ops.sass import (
+    MatmulLoop,
+    Wait,
+    matmul_loops,
+    matmul_waits,
+    matmuls_serialized,
+    spills_in_matmul_loops,
+    summary,
+)
 
 
 def _listing(*instructions: str) -> str:
@@ -74,3 +82,22 @@ def test_spills_in_matmul_loops_counts_only_the_innermost_matmul_loops():
     assert spills_in_matmul_loops(listing(4)) == 0  # between loops
     assert spills_in_matmul_loops(listing(5)) == 0  # in the loop without a matmul
     assert spills_in_matmul_loops(listing(8)) == 0  # on the slow path
+
+
+def test_matmul_loops_are_the_innermost_loops_with_a_matmul_and_their_opcodes():
+    # 0x00-0x50: an outer loop (0x50 branches back to 0x00) around 0x10-0x30, an inner loop with
+    # a matmul; 0x60-0x70: a loop without one; 0x80: EXIT; 0x90: a slow path jumping back.
+    listing = _listing(
+        "MOV R0, RZ",
+        GROUP[0],
+        "@!P0 LDGSTS.E [R2], desc[UR4][R4.64]",
+        "@P0 BRA 0x10",
+        "IADD3 R0, R0, 0x1, RZ",
+        "@P1 BRA 0x0",
+        "NOP",
+        "@P2 BRA 0x60",
+        "EXIT",
+        "BRA 0x20",
+    )
+    assert matmul_loops(listing) == [MatmulLoop(0x10, 0x30, ("HGMMA", "LDGSTS", "BRA"))]
+    assert matmul_loops(_listing("FADD R3, R3, R4", "EXIT")) == []
