@@ -422,24 +422,25 @@ def _waits(names, head_dims, causal: bool) -> None:
                 print(f"{name}, D={head_dim} ({tile}): {found}", flush=True)
 
 
-def _loops(name: str, head_dim: int, causal: bool, packed: bool, tiles, arch: str) -> None:
-    """Instructions of each innermost matmul loop (matmul_loops) of a variant's plain bf16 form,
-    dense or packed, at its table's first config or the one with these tiles."""
+def _table_config(name: str, arch: str, head_dim: int, tiles=None):
+    """A variant's table's first config, or its first with these (block_m, block_n); None if none."""
     choices = configs.candidates(name, arch, head_dim, 2)
     if tiles:
         choices = [config for config in choices if (config.block_m, config.block_n) == tuple(tiles)]
-    if not choices:
-        raise ValueError(
-            f"{name} has no {arch} config at head dim {head_dim}" + (f" with tiles {tiles}" if tiles else "")
-        )
-    config = choices[0]
+    return choices[0] if choices else None
+
+
+def _loops(name: str, head_dim: int, causal: bool, packed: bool, config, arch: str) -> None:
+    """Instructions of each innermost matmul loop (matmul_loops) of a variant's plain bf16 form at
+    one config, dense or packed."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = compile_cubin(
             name, ct.bfloat16, head_dim, config, causal, arch, Path(tmp) / "k.cubin", {"varlen": packed}
         )  # fmt: skip
         loops = matmul_loops(disassemble(cubin))
     form = "packed" if packed else "dense"
-    print(f"{name}, D={head_dim} ({config.block_m}x{config.block_n}), {form}: {len(loops)} matmul loops")
+    tile = "x".join(str(block) for block in (config.block_m, config.block_n) if block)
+    print(f"{name}, D={head_dim} ({tile}), {form}: {len(loops)} matmul loops")
     for loop in loops:
         counts = Counter(loop.opcodes).most_common()
         print(
@@ -499,12 +500,13 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown variant {', '.join(unknown)}; `list` names them")
     if args.command == "loops":
+        config = _table_config(args.variant, args.arch, args.head_dim, args.tiles)
+        if config is None:
+            tiles = f" with tiles {args.tiles[0]}x{args.tiles[1]}" if args.tiles else ""
+            parser.error(f"{args.variant} has no {args.arch} config at head dim {args.head_dim}{tiles}")
         if args.packed and not takes(args.variant, "varlen"):
             parser.error(f"{args.variant} has no packed form")
-        try:
-            _loops(args.variant, args.head_dim, args.causal, args.packed, args.tiles, args.arch)
-        except ValueError as error:
-            parser.error(str(error))
+        _loops(args.variant, args.head_dim, args.causal, args.packed, config, args.arch)
     elif args.command == "waits":
         _waits(names, args.head_dims, args.causal)
     elif not configs.candidates(args.variant, args.arch, args.head_dim, 2):
