@@ -232,9 +232,9 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            scaling, is_causal, window_size, softcap, functions, aux, mask_aux):  # fmt: skip
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, scaling, is_causal,
             window_size, softcap, functions, aux, mask_aux)  # fmt: skip
-    _packed_problem(*args, read_contents=False)
-    stat_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype)
+    problem, _, _ = _packed_problem(*args, read_contents=False)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=problem.stat_dtype)
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), lse
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::attention_varlen_backward", mutates_args=())

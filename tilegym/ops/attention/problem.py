@@ -78,7 +78,7 @@ class AttentionProblem:
     def stat_dtype(self) -> torch.dtype:
         """The dtype of the row statistics and of fp32 sums (the sinks' shares, dBias and aux
         partial sums): fp64 for fp64 inputs, else fp32."""
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
+        return score_mods.stat_dtype(self.dtype)
 
     @property
     def query_group_size(self) -> int:

@@ -252,10 +252,15 @@ def check_sinks(sinks, q: torch.Tensor, q_heads: int) -> torch.Tensor | None:
     return kernel_sinks(sinks, q.dtype)
 
 
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the row statistics and fp32 sums of inputs of this dtype: fp64 for fp64
+    inputs, else fp32 (AttentionProblem.stat_dtype)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def kernel_sinks(sinks: torch.Tensor, q_dtype: torch.dtype) -> torch.Tensor:
-    """Checked sinks as the kernels take them: contiguous float32 (float64 for float64 inputs)."""
-    dtype = torch.float64 if q_dtype == torch.float64 else torch.float32
-    return sinks.detach().to(dtype).contiguous()
+    """Checked sinks as the kernels take them: contiguous, in the row statistics' dtype."""
+    return sinks.detach().to(stat_dtype(q_dtype)).contiguous()
 
 
 def kernel_tensors(alibi_slopes, sinks, q_dtype: torch.dtype, q_heads: int) -> ModTensors:
