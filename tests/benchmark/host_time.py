@@ -91,25 +91,24 @@ def _rounds_us(call, calls: int, rounds: int, asleep: bool) -> list[float]:
 
 
 def _alternating_us(attention, inputs: tuple, d_out, calls: int, rounds: int) -> tuple[float, float]:
-    """Back-to-back fwd+bwd calls timed by part: the medians over rounds of the host us per call
-    of the forward and of the backward (torch.autograd.grad), each following the other."""
+    """Back-to-back fwd+bwd calls timed by part (in _rounds_us's rounds): the medians over rounds
+    of the host us per call of the forward and of the backward (torch.autograd.grad), each
+    following the other."""
     import torch
 
-    forward_times, backward_times = [], []
-    for _ in range(rounds):
-        torch.cuda._sleep(_ASLEEP_CYCLES)
-        forward = backward = 0.0
-        for _ in range(calls):
-            start = time.perf_counter()
-            out = attention(*inputs)
-            middle = time.perf_counter()
-            torch.autograd.grad(out, inputs, d_out)
-            forward += middle - start
-            backward += time.perf_counter() - middle
-        forward_times.append(forward / calls * 1e6)
-        backward_times.append(backward / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(forward_times)[rounds // 2], sorted(backward_times)[rounds // 2]
+    parts = []  # (forward, backward) seconds of each call, round after round
+
+    def call():
+        start = time.perf_counter()
+        out = attention(*inputs)
+        middle = time.perf_counter()
+        torch.autograd.grad(out, inputs, d_out)
+        parts.append((middle - start, time.perf_counter() - middle))
+
+    _rounds_us(call, calls, rounds, asleep=True)
+    each_round = [parts[first : first + calls] for first in range(0, len(parts), calls)]
+    forward, backward = (sorted(sum(p[i] for p in r) / calls * 1e6 for r in each_round) for i in (0, 1))
+    return forward[rounds // 2], backward[rounds // 2]
 
 
 def _training_calls(attention, inputs: tuple, d_out, unprepared: bool) -> dict:
