@@ -52,7 +52,7 @@ from tilegym.ops.attention.variants import ANY_SCORES, VARIANTS
 # The score modifiers' switches, all off: plain attention.
 PLAIN = {
     "windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0, "with_sinks": False,
-    "lse_grad": False, "sinks_grad": False, "varlen": False, "block_sparse": False,
+    "lse_grad": False, "sinks_grad": False, "varlen": False, "block_sparse": False, "stats_by_sequence": False,
 }  # fmt: skip
 # Per-row arrays [B, H, S] in the accumulators' dtype: statistics, the LSE's gradient, and the
 # per-tile shares of the sinks' gradient ([B, H, query tiles]).

@@ -347,6 +347,26 @@ def test_op_attention_packed_batches_compile(kernel, head_dim, causal, switches,
     _check_sass(kernel, text)
     if configs.head_dim_tile(head_dim) <= 128 and VARIANTS[kernel].tiles == "query":  # packed.bulk_once
         assert sass.count_instructions(text, r"UTMACCTL\.IV") <= 2, "a descriptor built for a tile loaded once"
+    # The backward's row statistics start each sequence 16-byte aligned (packed.stat_rows_of), so
+    # the dK/dV loop loads them by bulk copy, not element by element from the math warps.
+    assert sass.count_instructions(text, "LDGSTS") == 0, "a row statistic copied without a bulk copy"
+
+
+@slow
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_op_attention_packed_preprocess_as_one_compiles(head_dim, tmp_path):
+    """The fused backward's preprocess of a packed batch, run over all its rows as one batch
+    entry, places each row's statistics by its sequence (packed.stat_rows_of_rows): it compiles
+    for sm_90 at every config of its table, without local memory."""
+    for config in configs.candidates(configs.BACKWARD_PREPROCESS, "sm_90", head_dim, 2):
+        path = tmp_path / "k.cubin"
+        text = sass.disassemble(
+            sass.compile_cubin(
+                configs.BACKWARD_PREPROCESS, ct.bfloat16, head_dim, config, False, "sm_90", path,
+                {"stats_by_sequence": True},
+            )
+        )  # fmt: skip
+        assert sass.count_instructions(text, "LDL") == 0 and sass.count_instructions(text, "STL") == 0, config
 
 
 def test_every_variant_is_covered():

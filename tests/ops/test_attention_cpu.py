@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tilegym import autotune, index_width, launching, tile_fmha, tile_fmha_functional, tile_fmha_with_backward
-from tilegym.ops.attention import configs, dispatch, launch, programmable, score_functions, score_mods
+from tilegym.ops.attention import configs, dispatch, launch, packing, programmable, score_functions, score_mods
 from tilegym.ops.attention import problem as problem_mod
 from tilegym.ops.attention.reference import attention_naive, attention_reference, causal_mask
 from tilegym.ops.attention.score_mods import ScoreMods
@@ -1100,9 +1100,16 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
         values = dict(zip(inspect.signature(kernel._pyfunc).parameters, args, strict=True))
         as_one = name == configs.BACKWARD_PREPROCESS
         assert values["varlen"] is not as_one, name
-        if not as_one:
-            assert values["CuSeqlensQ"] is cu_seqlens.q and values["max_seqlen_q"] == 30, name
-            assert values["CuSeqlensK"] is cu_seqlens.k and values["max_seqlen_k"] == 35, name
+        # Run as one, the preprocess places each row's statistics by its sequence.
+        assert values["CuSeqlensQ"] is cu_seqlens.q, name
+        if as_one:
+            assert values["stats_by_sequence"] is True and values["search_steps"] == 2, name
+        else:
+            assert values["max_seqlen_q"] == 30 and values["max_seqlen_k"] == 35, name
+            assert values["CuSeqlensK"] is cu_seqlens.k, name
+        for stat in ("Delta", "LseBase2"):  # the backward's layout: each sequence 16-byte aligned
+            if stat in values:
+                assert values[stat].shape == (1, q_heads, 64) and values[stat].dtype == torch.float32, name
         for parameter, tensor in packed.items():
             if parameter in values:
                 view = values[parameter]
@@ -1126,6 +1133,28 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
             assert grid == (math.ceil(total_q / block), heads, 1), name
         else:
             assert grid == (math.ceil((35 if keys else 30) / block), heads, 2), name
+
+
+@pytest.mark.parametrize(
+    "lengths", [[5, 0, 7, 1, 1, 13], [0, 0, 0], [4, 4, 4, 4], [1] * 40, [3000, *([17] * 20)]], ids=str
+)
+def test_op_packed_backward_stat_rows_fit(lengths):
+    """The packed backward's row statistics (packing.backward_row_stat): each sequence's rows
+    start at a multiple of STAT_ALIGN no earlier than its start plus (STAT_ALIGN - 1) per sequence
+    before it (kernels/packed.py, stat_rows, restated here), so sequences never overlap and all fit
+    in stat_rows_total rows, a multiple of 16."""
+    from itertools import accumulate
+
+    align = packing.STAT_ALIGN
+    starts = [0, *accumulate(lengths)]
+    total = packing.stat_rows_total(starts[-1], len(lengths))
+    assert total % 16 == 0 and total >= starts[-1]
+    end = 0
+    for seq, (start, length) in enumerate(zip(starts, lengths, strict=False)):
+        first = (start + (align - 1) * (seq + 1)) // align * align
+        assert first % align == 0 and first >= end and first + length <= total
+        end = first + length
+    assert 2 ** packing.search_steps(len(lengths)) >= len(lengths)  # halvings of [0, N) to one
 
 
 @pytest.mark.parametrize(

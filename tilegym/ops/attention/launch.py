@@ -50,11 +50,18 @@ def output(q: torch.Tensor, problem: AttentionProblem) -> torch.Tensor:
 
 
 def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
-    """An uninitialized [B, Hq, Sq] row statistic (the LSE, Delta), packed [1, Hq, total_q]: fp64
-    for fp64 inputs, else fp32."""
+    """An uninitialized [B, Hq, Sq] LSE, packed [1, Hq, total_q]: fp64 for fp64 inputs, else fp32."""
     if problem.packing:
         return packing.row_stat(problem, device)[None]
     return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=problem.stat_dtype, device=device)
+
+
+def backward_row_stat(problem: AttentionProblem, device) -> torch.Tensor:
+    """An uninitialized row statistic of the backward (Delta, the base-2 LSE): as the LSE
+    (row_stat), packed in a layout of its own (packing.backward_row_stat)."""
+    if problem.packing:
+        return packing.backward_row_stat(problem, device)
+    return row_stat(problem, device)
 
 
 @lru_cache(maxsize=1024)
@@ -85,11 +92,12 @@ class _Launcher(TunedLauncher):
         """The launch of a variant: values names every kernel argument but the variant's pinned
         switches and the config's tile sizes; the grid follows the variant's tiles and heads.
         packed_as_one: a packed problem's arrays run as one dense batch entry of all their rows:
-        the packing arguments in values become the dense placeholders, the grid one entry."""
+        varlen off and the grid one entry; the cumulative lengths stay, for a kernel that places
+        rows by their sequence (the preprocess's row statistics)."""
         form = _launch_form(self.problem, name, packed_as_one)
         if packed_as_one:
             dense = _dense_packing_arguments(self.device)
-            values = {**values, **{key: dense[key] for key in values.keys() & dense.keys()}}
+            values = {**values, **{key: dense[key] for key in values.keys() & dense.keys() - _CU_SEQLENS}}
         named = NamedArguments(form.kernel, {**values, **form.fixed}, late=form.late)
         problem, mask, device = self.problem, self.block_mask, self.device
 
@@ -160,6 +168,9 @@ def _packing_arguments(problem: AttentionProblem, cu_seqlens: CuSeqlens | None, 
         "CuSeqlensQ": cu_seqlens.q, "CuSeqlensK": cu_seqlens.k,
         "max_seqlen_q": problem.seqlen_q, "max_seqlen_k": problem.seqlen_k, "varlen": True,
     }  # fmt: skip
+
+
+_CU_SEQLENS = {"CuSeqlensQ", "CuSeqlensK"}
 
 
 @cache
@@ -715,7 +726,7 @@ def _backward_steps(
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
     device = q.device
 
-    delta, lse_base2 = row_stat(problem, device), row_stat(problem, device)
+    delta, lse_base2 = backward_row_stat(problem, device), backward_row_stat(problem, device)
     fused = dispatch.fused_backward(problem, launcher.candidates, d_bias is not None)
     d_lse, partial = row_grads.d_lse, row_grads.d_sinks_partial
     lse_grad = {"DLse": _or_unused(d_lse, device, 3), "lse_grad": d_lse is not None}
@@ -758,10 +769,15 @@ def _backward_steps(
         # keeps the slices: its shares are per tile of a sequence.
         packed_as_one = problem.packing is not None and partial is None
         packed = {name: shared[name] for name in ("CuSeqlensQ", "max_seqlen_q", "varlen")}
+        # Run as one, it finds each row's place in the statistics' layout from CuSeqlensQ.
+        by_sequence = {
+            "stats_by_sequence": packed_as_one,
+            "search_steps": packing.search_steps(problem.batch) if packed_as_one else 0,
+        }
         preprocess = launcher.tuned(
             BACKWARD_PREPROCESS,
             {"Out": out, "dOut": d_out, "Lse": lse, "Delta": delta, "LseBase2": lse_base2,
-             **lse_grad, **sinks_grad, **packed},
+             **lse_grad, **sinks_grad, **packed, **by_sequence},
             row_grads.reset,
             packed_as_one,
         )  # fmt: skip
@@ -895,7 +911,7 @@ class _BackwardPlan:
             targets = GradientTargets(sums[0], dk, dv, grouped=False)
         else:
             targets = GradientTargets(*sums, grouped=True)
-        return _Workspaces(row_stat(problem, device), row_stat(problem, device), targets)
+        return _Workspaces(backward_row_stat(problem, device), backward_row_stat(problem, device), targets)
 
 
 def _layout(tensor: torch.Tensor) -> tuple:

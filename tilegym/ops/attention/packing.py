@@ -20,6 +20,11 @@ from tilegym.ops.attention.score_mods import ModTensors
 
 CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
 PACKED_LAYOUT = ("total", "heads", "head_dim")
+# Elements that each sequence's rows of a backward row statistic start at a multiple of
+# (kernels/packed.py, stat_rows): 16 bytes of fp32. A bulk copy needs a 16-byte-aligned start,
+# which from a slice at any row the compiler cannot prove; the dK/dV loop then copied each
+# step's statistics element by element from the math warps (perf-notes#packed-aligned-stats).
+STAT_ALIGN = 4
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,32 @@ def empty_rows(total: int, heads: int, head_dim: int, like: torch.Tensor) -> tor
 
 
 def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
-    """An uninitialized [Hq, total_q] row statistic (the LSE, Delta) of a packed problem, which
-    the kernels take as [1, Hq, total_q]: fp64 for fp64 inputs, else fp32. The forward kernel
-    writes -inf in the LSE of rows outside every sequence (kernels/packed.py)."""
+    """An uninitialized [Hq, total_q] LSE of a packed problem, which the kernels take as [1, Hq,
+    total_q]: fp64 for fp64 inputs, else fp32. The forward kernel writes -inf in the rows outside
+    every sequence (kernels/packed.py)."""
     return torch.empty((problem.q_heads, problem.packing.total_q), dtype=problem.stat_dtype, device=device)
+
+
+def backward_row_stat(problem: AttentionProblem, device) -> torch.Tensor:
+    """An uninitialized row statistic of a packed problem's backward (Delta, the base-2 LSE),
+    [1, Hq, stat_rows_total], each sequence's rows from a multiple of STAT_ALIGN
+    (kernels/packed.py, stat_rows); nothing reads the rows between sequences."""
+    rows = stat_rows_total(problem.packing.total_q, problem.batch)
+    return torch.empty((1, problem.q_heads, rows), dtype=problem.stat_dtype, device=device)
+
+
+def stat_rows_total(total_q: int, sequences: int) -> int:
+    """Rows of a packed backward row statistic: each of the sequences may start up to
+    STAT_ALIGN - 1 rows further than the one before (kernels/packed.py, stat_rows), and the count
+    is a multiple of 16, so that the rows of every head start 16-byte aligned and the kernels
+    compiled for one batch serve the next."""
+    return math.ceil((total_q + (STAT_ALIGN - 1) * sequences) / 16) * 16
+
+
+def search_steps(sequences: int) -> int:
+    """Halvings of [0, sequences) that find any row's sequence (kernels/packed.py,
+    stat_rows_of_rows)."""
+    return sequences.bit_length()
 
 
 # Packed calls, by _call_key.

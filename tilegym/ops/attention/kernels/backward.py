@@ -35,6 +35,8 @@ from tilegym.ops.attention.kernels.packed import (
     past_the_end,
     rows_of,
     sequence_rows,
+    stat_rows_of,
+    stat_rows_of_rows,
     zero_rows_around,
 )
 from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
@@ -80,26 +82,49 @@ from tilegym.ops.attention.variants import DKDV_KEY, DKDV_VALUE
 
 @ct.function
 def _row_stats(
-    out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt, DLse, lse_grad: ConstBool
-):
-    """RowStats of one query tile, stored and returned as [block_m] tiles in fp32 (fp64 for
-    fp64 inputs), the accumulators' dtype.
-
-    With lse_grad, Delta_i is sum_d Out_id dOut_id - dLse_i: the LSE's gradient adds
-    dLse_i * P_ij to each score's gradient P_ij (dP_ij - Delta_i), since dLSE_i/ds_ij = P_ij.
-    The base-2 LSE is +inf for a row that saw no key (LSE -inf), which makes its
-    probabilities exp2(s - inf) = 0. Converting it here, once per row, keeps that select
-    and multiply out of every step of the dK/dV loop.
-    """
-    acc_dtype = accumulator_dtype(out.main.dtype)
-    delta = head_row_dot(out, d_out, value_split, acc_dtype)
-    if lse_grad:
-        delta = delta - load_row_stat(DLse, b, q_head, q_tile, block_m).astype(acc_dtype)
-    store_row_stat(Delta, b, q_head, q_tile, delta, block_m)
-    lse = load_row_stat(Lse, b, q_head, q_tile, block_m)
-    lse_base2 = ct.where(lse == NEG_INF, POS_INF, lse * log2e(lse.dtype))
-    store_row_stat(LseBase2, b, q_head, q_tile, lse_base2, block_m)
+    out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m: ConstInt, DLse, lse_grad: ConstBool,
+    bulk: ConstBool,
+):  # fmt: skip
+    """RowStats of one query tile, stored in Delta and LseBase2 at its rows and returned as
+    [block_m] tiles in fp32 (fp64 for fp64 inputs), the accumulators' dtype (bulk: as
+    tiles.load_tile; a packed program stores them once, from slices)."""
+    delta = _tile_delta(out, d_out, value_split, b, q_head, q_tile, block_m, DLse, lse_grad)
+    store_row_stat(Delta, b, q_head, q_tile, delta, block_m, bulk)
+    lse_base2 = _tile_lse_base2(Lse, b, q_head, q_tile, block_m)
+    store_row_stat(LseBase2, b, q_head, q_tile, lse_base2, block_m, bulk)
     return RowStats(delta, lse_base2)
+
+
+@ct.function
+def _tile_delta(out, d_out, value_split, b, q_head, q_tile, block_m: ConstInt, DLse, lse_grad: ConstBool):
+    """Delta of one query tile's rows. With lse_grad, Delta_i is sum_d Out_id dOut_id - dLse_i:
+    the LSE's gradient adds dLse_i * P_ij to each score's gradient P_ij (dP_ij - Delta_i), since
+    dLSE_i/ds_ij = P_ij."""
+    delta = head_row_dot(out, d_out, value_split, accumulator_dtype(out.main.dtype))
+    if lse_grad:
+        delta = delta - load_row_stat(DLse, b, q_head, q_tile, block_m).astype(delta.dtype)
+    return delta
+
+
+@ct.function
+def _tile_lse_base2(Lse, b, q_head, q_tile, block_m: ConstInt):
+    """The base-2 LSE of one query tile's rows: +inf for a row that saw no key (LSE -inf), which
+    makes its probabilities exp2(s - inf) = 0. Converting it here, once per row, keeps that
+    select and multiply out of every step of the dK/dV loop."""
+    lse = load_row_stat(Lse, b, q_head, q_tile, block_m)
+    return ct.where(lse == NEG_INF, POS_INF, lse * log2e(lse.dtype))
+
+
+@ct.function
+def _scatter_row_stats(stats, Delta, LseBase2, CuSeqlens, search_steps, total, q_head, q_tile, block_m: ConstInt):
+    """A packed batch's RowStats of one query tile of all its rows (a tile may hold rows of
+    several sequences) stored at each row's place in the backward's row statistics
+    (packed.stat_rows_of_rows)."""
+    rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)
+    places = stat_rows_of_rows(CuSeqlens, rows, total, search_steps)
+    inside = rows < total
+    ct.scatter(Delta, (0, q_head, places), stats.delta.astype(Delta.dtype), mask=inside)
+    ct.scatter(LseBase2, (0, q_head, places), stats.lse_base2.astype(LseBase2.dtype), mask=inside)
 
 
 @ct.function
@@ -121,10 +146,14 @@ def _sink_gradient_share(stats, Sinks, DSinks, b, q_head, q_tile, seqlen_q, bloc
 def attention_backward_preprocess_kernel(
     Out, dOut, Lse, Delta, LseBase2, DLse, Sinks, DSinks, CuSeqlensQ, max_seqlen_q: int, block_m: ConstInt,
     block_dv: ConstInt, lse_grad: ConstBool, sinks_grad: ConstBool, varlen: ConstBool,
+    stats_by_sequence: ConstBool, search_steps: int,
 ):  # fmt: skip
     """The row statistics (_row_stats) for the fused backward, whose dK/dV programs each need
     those of every query tile. The two-kernel backward's dQ kernel writes them instead. With
-    lse_grad and sinks_grad, and packed (varlen), as the dQ kernel."""
+    lse_grad and sinks_grad, and packed (varlen), as the dQ kernel.
+    stats_by_sequence: a packed batch run as one dense batch entry of all its rows (varlen off:
+    a row's statistics do not depend on its sequence), whose statistics go to the backward's
+    layout of them (packed.stat_rows), found from CuSeqlensQ in search_steps halvings."""
     q_tile = ct.bid(0)
     q_head = ct.bid(1)
     b = ct.bid(2)
@@ -134,7 +163,7 @@ def attention_backward_preprocess_kernel(
         if past_the_end(q_tile * block_m, q_rows):
             return
         Out, dOut, Lse = rows_of(Out, q_rows), rows_of(dOut, q_rows), rows_of(Lse, q_rows)
-        Delta, LseBase2 = rows_of(Delta, q_rows), rows_of(LseBase2, q_rows)
+        Delta, LseBase2 = stat_rows_of(Delta, seq, q_rows), stat_rows_of(LseBase2, seq, q_rows)
         if lse_grad:
             DLse = rows_of(DLse, q_rows)
         b = 0
@@ -143,7 +172,15 @@ def attention_backward_preprocess_kernel(
     value_split = HeadSplit(block_dv, 0)
     out = load_head(Out, b, q_head, q_tile, block_m, value_split, not varlen)
     d_out = load_head(dOut, b, q_head, q_tile, block_m, value_split, not varlen)
-    stats = _row_stats(out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
+    if stats_by_sequence:
+        delta = _tile_delta(out, d_out, value_split, b, q_head, q_tile, block_m, DLse, lse_grad)
+        stats = RowStats(delta, _tile_lse_base2(Lse, b, q_head, q_tile, block_m))
+        total = ct.astype(Out.shape[2], ct.int32)
+        _scatter_row_stats(stats, Delta, LseBase2, CuSeqlensQ, search_steps, total, q_head, q_tile, block_m)
+    else:
+        stats = _row_stats(
+            out, d_out, value_split, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad, not varlen
+        )
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile, ct.astype(Out.shape[2], ct.int32), block_m)
 
@@ -403,12 +440,8 @@ def attention_backward_dkdv_kernel(
             # this return, a program with an aux gradient hung on the queries' empty slice
             # (perf-notes#packed-aux-gradients).
             return
-        Q, dOut, LseBase2, Delta = (
-            rows_of(Q, q_rows),
-            rows_of(dOut, q_rows),
-            rows_of(LseBase2, q_rows),
-            rows_of(Delta, q_rows),
-        )
+        Q, dOut = rows_of(Q, q_rows), rows_of(dOut, q_rows)
+        LseBase2, Delta = stat_rows_of(LseBase2, seq, q_rows), stat_rows_of(Delta, seq, q_rows)
         K, V, dK, dV = rows_of(K, k_rows), rows_of(V, k_rows), rows_of(dK, k_rows), rows_of(dV, k_rows)
         if sum_dq:
             # Each sequence's dQ sum is its own rows: a tile past the end adds nothing there.
@@ -584,7 +617,8 @@ def attention_backward_dq_kernel(
             return
         k_rows = sequence_rows(CuSeqlensK, seq, K, max_seqlen_k)
         Q, dOut, Out, Lse = rows_of(Q, q_rows), rows_of(dOut, q_rows), rows_of(Out, q_rows), rows_of(Lse, q_rows)
-        LseBase2, Delta, dQ = rows_of(LseBase2, q_rows), rows_of(Delta, q_rows), rows_of(dQ, q_rows)
+        LseBase2, Delta = stat_rows_of(LseBase2, seq, q_rows), stat_rows_of(Delta, seq, q_rows)
+        dQ = rows_of(dQ, q_rows)
         if lse_grad:
             DLse = rows_of(DLse, q_rows)
         K, V = rows_of(K, k_rows), rows_of(V, k_rows)
@@ -607,7 +641,7 @@ def attention_backward_dq_kernel(
     q = load_head(Q, b, q_head, q_tile, block_m, tiling.qk, bulk)
     d_out = load_head(dOut, b, q_head, q_tile, block_m, tiling.value, bulk)
     out = load_head(Out, b, q_head, q_tile, block_m, tiling.value, bulk)
-    stats = _row_stats(out, d_out, tiling.value, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad)
+    stats = _row_stats(out, d_out, tiling.value, Lse, Delta, LseBase2, b, q_head, q_tile, block_m, DLse, lse_grad, bulk)
     if sinks_grad:
         _sink_gradient_share(stats, Sinks, DSinks, seq, q_head, q_tile, lengths.q, block_m)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]

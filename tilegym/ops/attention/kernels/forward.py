@@ -379,4 +379,4 @@ def attention_forward_kernel(
         if keeps_scaled_scores(switches) and not with_sinks:
             row_max = row_max * to_log2
         lse = (row_max + ct.log2(row_sum)) * ln2(acc_dtype)
-        store_row_stat(Lse, b, q_head, q_tile, lse, block_m)
+        store_row_stat(Lse, b, q_head, q_tile, lse, block_m, True)

@@ -12,6 +12,10 @@ Outputs and gradients are allocated uninitialized: the rows outside every sequen
 by the kernel that writes the array, one program per sequence and head taking the rows before
 its sequence and, for the last sequence, after it (zero_rows_around).
 
+The backward's row statistics (Delta, the base-2 LSE) are arrays of its own, laid out so that
+each sequence's rows start at a multiple of STAT_ALIGN (stat_rows): the dK/dV loop then loads
+them by bulk copy, as the dense loop does.
+
 Lengths are clamped on the GPU, so inconsistent cumulative lengths (decreasing, past the end,
 longer than the maximum the grid was sized for) can never make a program read or write outside
 the arrays; the host checks them only on request (TILEGYM_CHECK_VARLEN).
@@ -24,6 +28,7 @@ import cuda.tile as ct
 from tilegym.ops.attention.kernels.head import head_width, head_zeros, store_head
 from tilegym.ops.attention.kernels.state import Value
 from tilegym.ops.attention.kernels.tiles import NEG_INF, ConstBool
+from tilegym.ops.attention.packing import STAT_ALIGN
 
 # Rows per tile of the rows outside every sequence that a program zeros (zero_rows_around).
 GAP_ROWS = 16
@@ -50,6 +55,44 @@ def clamped_rows(CuSeqlens, seq, total, max_len):
     start = min(max(ct.gather(CuSeqlens, seq), 0), total)
     end = min(max(ct.gather(CuSeqlens, seq + 1), start), min(total, start + max_len))
     return Rows(start, end)
+
+
+@ct.function
+def stat_rows(seq, rows):
+    """Where sequence seq's rows (Rows, clamped) lie in a backward row statistic: from the first
+    multiple of STAT_ALIGN at or after rows.start + (STAT_ALIGN - 1) * seq. A sequence's rows
+    move by at most STAT_ALIGN - 1 more than the previous one's, so with consistent lengths no
+    two overlap, and with any lengths every row lies below total + (STAT_ALIGN - 1) * N
+    (packing.stat_rows_total)."""
+    start = (rows.start + (STAT_ALIGN - 1) * (seq + 1)) // STAT_ALIGN * STAT_ALIGN
+    return Rows(start, start + rows.end - rows.start)
+
+
+@ct.function
+def stat_rows_of(stat, seq, rows):
+    """A backward row statistic's rows of sequence seq (stat_rows) as a view whose start the
+    compiler knows to be a multiple of STAT_ALIGN."""
+    aligned = stat_rows(seq, rows)
+    return stat.slice(2, ct.assume_divisible_by(aligned.start, STAT_ALIGN), aligned.end)
+
+
+@ct.function
+def stat_rows_of_rows(CuSeqlens, rows, total, search_steps):
+    """For a tile of rows of a packed array of total rows, each row's row in a backward row
+    statistic (stat_rows): found by its sequence, the last s in [0, N) with CuSeqlens[s] <= row,
+    by search_steps halvings of [0, N) (at least log2 N). Any CuSeqlens contents give an s in
+    [0, N) and a row in [0, total + (STAT_ALIGN - 1) * N); a row outside every sequence gets one
+    outside every sequence's rows there (with consistent lengths)."""
+    low = ct.zeros(rows.shape, ct.int32)
+    high = ct.full(rows.shape, CuSeqlens.shape[0] - 1, ct.int32)
+    for _ in range(search_steps):
+        middle = (low + high) // 2
+        below = ct.gather(CuSeqlens, middle) <= rows
+        low = ct.where(below, middle, low)
+        high = ct.where(below, high, middle)
+    start = ct.minimum(ct.maximum(ct.gather(CuSeqlens, low), 0), total)  # clamped_rows' start
+    aligned = (start + (STAT_ALIGN - 1) * (low + 1)) // STAT_ALIGN * STAT_ALIGN
+    return aligned + rows - start
 
 
 @ct.function

@@ -74,8 +74,13 @@ def load_row_stat(array, b, h, tile_index, rows: ConstInt):
 
 
 @ct.function
-def store_row_stat(array, b, h, tile_index, tile, rows: ConstInt):
-    ct.store(array, index=(b, h, tile_index), tile=tile.reshape((1, 1, rows)).astype(array.dtype))
+def store_row_stat(array, b, h, tile_index, tile, rows: ConstInt, bulk: ConstBool):
+    """Stores a [rows] tile of a per-row statistic [B, H, S] (bulk: as load_tile)."""
+    tile = tile.reshape((1, 1, rows)).astype(array.dtype)
+    if bulk:
+        ct.store(array, index=(b, h, tile_index), tile=tile)
+    else:
+        ct.store(array, index=(b, h, tile_index), tile=tile, allow_tma=False)
 
 
 @ct.function
