@@ -52,9 +52,16 @@ def sequence_rows(CuSeqlens, seq, packed, max_len):
 @ct.function
 def clamped_rows(CuSeqlens, seq, total, max_len):
     """sequence_rows of an array of total rows: the one clamping rule of every kernel."""
-    start = min(max(ct.gather(CuSeqlens, seq), 0), total)
+    start = _clamped_start(CuSeqlens, seq, total)
     end = min(max(ct.gather(CuSeqlens, seq + 1), start), min(total, start + max_len))
     return Rows(start, end)
+
+
+@ct.function
+def _clamped_start(CuSeqlens, seq, total):
+    """Where sequence seq (a scalar, or a tile of them) starts in an array of total rows,
+    clamped into [0, total] (clamped_rows)."""
+    return ct.minimum(ct.maximum(ct.gather(CuSeqlens, seq), 0), total)
 
 
 @ct.function
@@ -64,8 +71,14 @@ def stat_rows(seq, rows):
     move by at most STAT_ALIGN - 1 more than the previous one's, so with consistent lengths no
     two overlap, and with any lengths every row lies below total + (STAT_ALIGN - 1) * N
     (packing.stat_rows_total)."""
-    start = (rows.start + (STAT_ALIGN - 1) * (seq + 1)) // STAT_ALIGN * STAT_ALIGN
+    start = _stat_start(seq, rows.start)
     return Rows(start, start + rows.end - rows.start)
+
+
+@ct.function
+def _stat_start(seq, start):
+    """stat_rows' first row of sequence seq (a scalar, or a tile of them) that starts at start."""
+    return (start + (STAT_ALIGN - 1) * (seq + 1)) // STAT_ALIGN * STAT_ALIGN
 
 
 @ct.function
@@ -90,9 +103,8 @@ def stat_rows_of_rows(CuSeqlens, rows, total, search_steps):
         below = ct.gather(CuSeqlens, middle) <= rows
         low = ct.where(below, middle, low)
         high = ct.where(below, high, middle)
-    start = ct.minimum(ct.maximum(ct.gather(CuSeqlens, low), 0), total)  # clamped_rows' start
-    aligned = (start + (STAT_ALIGN - 1) * (low + 1)) // STAT_ALIGN * STAT_ALIGN
-    return aligned + rows - start
+    start = _clamped_start(CuSeqlens, low, total)
+    return _stat_start(low, start) + rows - start
 
 
 @ct.function
