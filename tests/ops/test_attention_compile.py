@@ -326,10 +326,13 @@ PACKED_MATRIX = [
     + [(d, "alibi", {"alibi": True}) for d in TUNED_HEAD_DIMS if _takes(name, {"alibi": True})]
     if configs.candidates(name, "sm_90", head_dim, 2)
     and _runs_at(name, head_dim, head_dim)
-    # "auto" runs the fused backward packed at D=128 only; forced at D=64, its causal 128x128
-    # program spills 2 registers.
-    and not (_sums_by_tma(name) and head_dim not in dispatch.FUSED_SHORT_LOOPS_HEAD_DIM_TILES)
+    # "auto" runs the fused backward packed at D=64 and D=128 only.
+    and not (_sums_by_tma(name) and head_dim not in dispatch.FUSED_PACKED_HEAD_DIM_TILES)
 ]
+# The fused backward's causal 128x128 program at D=64 spills packed (the sequence's lengths, which
+# the dense kernel reads from its arguments, take registers), and still beat two kernels there
+# (perf-notes#packed-stats-tile-aligned).
+PACKED_ALLOWED_SPILLS = {(configs.BACKWARD_FUSED, 64, True): "measured"}
 
 
 @slow
@@ -344,11 +347,12 @@ def test_op_attention_packed_batches_compile(kernel, head_dim, causal, switches,
     if switches:
         assert sass.count_instructions(text, "HGMMA") > 0, "matrix work did not become warpgroup MMA (HGMMA)"
         return
-    _check_sass(kernel, text)
+    _check_sass(kernel, text, PACKED_ALLOWED_SPILLS.get((kernel, head_dim, causal), "none"))
     if configs.head_dim_tile(head_dim) <= 128 and VARIANTS[kernel].tiles == "query":  # packed.bulk_once
         assert sass.count_instructions(text, r"UTMACCTL\.IV") <= 2, "a descriptor built for a tile loaded once"
-    # The backward's row statistics start each sequence 16-byte aligned (packed.stat_rows_of), so
-    # the dK/dV loop loads them by bulk copy, not element by element from the math warps.
+    # The backward's row statistics start each sequence at a multiple of every query tile
+    # (packed.stat_rows), so the dK/dV loop loads them by bulk copy, not element by element from
+    # the math warps.
     assert sass.count_instructions(text, "LDGSTS") == 0, "a row statistic copied without a bulk copy"
 
 

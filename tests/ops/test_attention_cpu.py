@@ -1107,9 +1107,9 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
         else:
             assert values["max_seqlen_q"] == 30 and values["max_seqlen_k"] == 35, name
             assert values["CuSeqlensK"] is cu_seqlens.k, name
-        for stat in ("Delta", "LseBase2"):  # the backward's layout: each sequence 16-byte aligned
+        for stat in ("Delta", "LseBase2"):  # the backward's layout: 50 rows, 2 x 127 to align, whole tiles
             if stat in values:
-                assert values[stat].shape == (1, q_heads, 64) and values[stat].dtype == torch.float32, name
+                assert values[stat].shape == (1, q_heads, 384) and values[stat].dtype == torch.float32, name
         for parameter, tensor in packed.items():
             if parameter in values:
                 view = values[parameter]
@@ -1141,28 +1141,36 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
 def test_op_packed_backward_stat_rows_fit(lengths):
     """The packed backward's row statistics (packing.backward_row_stat): each sequence's rows
     start at a multiple of STAT_ALIGN no earlier than its start plus (STAT_ALIGN - 1) per sequence
-    before it (kernels/packed.py, stat_rows, restated here), so sequences never overlap and all fit
-    in stat_rows_total rows, a multiple of 16."""
+    before it (kernels/packed.py, stat_rows, restated here), so that whole tiles of its rows, which
+    the dK/dV loop reads, never reach the next sequence's and all fit in stat_rows_total rows."""
     from itertools import accumulate
 
     align = packing.STAT_ALIGN
     starts = [0, *accumulate(lengths)]
     total = packing.stat_rows_total(starts[-1], len(lengths))
-    assert total % 16 == 0 and total >= starts[-1]
+    assert total % align == 0 and total >= starts[-1]
     end = 0
     for seq, (start, length) in enumerate(zip(starts, lengths, strict=False)):
         first = (start + (align - 1) * (seq + 1)) // align * align
-        assert first % align == 0 and first >= end and first + length <= total
-        end = first + length
+        assert first % align == 0 and first >= end
+        end = first + math.ceil(length / align) * align
+        assert end <= total
     assert 2 ** packing.search_steps(len(lengths)) >= len(lengths)  # halvings of [0, N) to one
+
+
+def test_op_packed_stat_align_divides_every_query_tile():
+    """The dK/dV kernel reads a packed sequence's statistics from the tile index of its first row
+    (kernels/packed.py, stat_first_tile): every query tile of every table must divide STAT_ALIGN."""
+    query_tiles = {config.block_m for config in configs._all_configs()}
+    assert query_tiles and all(packing.STAT_ALIGN % block_m == 0 for block_m in query_tiles), sorted(query_tiles)
 
 
 @pytest.mark.parametrize(
     "head_dim, causal, mods, fused",
     [
         (128, True, score_mods.PLAIN, True),
-        (64, True, score_mods.PLAIN, False),
-        (64, False, score_mods.PLAIN, True),  # FUSED_PACKED_FULL_HEAD_DIM_TILES
+        (64, True, score_mods.PLAIN, True),  # FUSED_PACKED_HEAD_DIM_TILES
+        (64, False, score_mods.PLAIN, True),
         (64, False, ScoreMods(window=(64, 64)), False),
         (128, False, ScoreMods(window=(64, 64)), True),
     ],
@@ -1170,8 +1178,8 @@ def test_op_packed_backward_stat_rows_fit(lengths):
 )
 def test_op_packed_backward_design_choice(monkeypatch, head_dim, causal, mods, fused):
     """ "auto" on a packed batch whose longest sequence has FUSED_BACKWARD_MIN_SEQLEN_K keys: the
-    fused backward at D=128 (dispatch.FUSED_SHORT_LOOPS_HEAD_DIM_TILES), and without any mask at
-    D=64 too (FUSED_PACKED_FULL_HEAD_DIM_TILES)."""
+    fused backward at D=128 (dispatch.FUSED_SHORT_LOOPS_HEAD_DIM_TILES), and without a window or a
+    mask function at D=64 too (FUSED_PACKED_HEAD_DIM_TILES)."""
     from tilegym.ops.attention.problem import Packing
 
     monkeypatch.setenv("TILEGYM_BACKWARD", "auto")

@@ -20,11 +20,12 @@ from tilegym.ops.attention.score_mods import ModTensors
 
 CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
 PACKED_LAYOUT = ("total", "heads", "head_dim")
-# Elements that each sequence's rows of a backward row statistic start at a multiple of
-# (kernels/packed.py, stat_rows): 16 bytes of fp32. A bulk copy needs a 16-byte-aligned start,
-# which from a slice at any row the compiler cannot prove; the dK/dV loop then copied each
-# step's statistics element by element from the math warps (perf-notes#packed-aligned-stats).
-STAT_ALIGN = 4
+# Rows that each sequence's rows of a backward row statistic start at a multiple of
+# (kernels/packed.py, stat_rows): a multiple of every query tile (16 to 128 rows), so that the
+# dK/dV loop loads a tile of them from the whole array at a tile index, as the dense loop does,
+# with no bulk-copy descriptor of a slice to build per program (perf-notes#packed-stats-tile-aligned).
+# From a slice aligned to 4 rows (16 bytes of fp32) it needed two of those descriptors.
+STAT_ALIGN = 128
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,21 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
 
 
 def backward_row_stat(problem: AttentionProblem, device) -> torch.Tensor:
-    """An uninitialized row statistic of a packed problem's backward (Delta, the base-2 LSE),
-    [1, Hq, stat_rows_total], each sequence's rows from a multiple of STAT_ALIGN
-    (kernels/packed.py, stat_rows); nothing reads the rows between sequences."""
+    """A row statistic of a packed problem's backward (Delta, the base-2 LSE), [1, Hq,
+    stat_rows_total], each sequence's rows from a multiple of STAT_ALIGN (kernels/packed.py,
+    stat_rows). Zeroed: the dK/dV loop's last query tile of a sequence reads the rows after it up
+    to the next multiple of STAT_ALIGN, which no kernel writes; there, as past the end of a dense
+    sequence, Delta and the LSE are 0 while Q and dOut load zeros."""
     rows = stat_rows_total(problem.packing.total_q, problem.batch)
-    return torch.empty((1, problem.q_heads, rows), dtype=problem.stat_dtype, device=device)
+    return torch.zeros((1, problem.q_heads, rows), dtype=problem.stat_dtype, device=device)
 
 
 def stat_rows_total(total_q: int, sequences: int) -> int:
     """Rows of a packed backward row statistic: each of the sequences may start up to
     STAT_ALIGN - 1 rows further than the one before (kernels/packed.py, stat_rows), and the count
-    is a multiple of 16, so that the rows of every head start 16-byte aligned and the kernels
-    compiled for one batch serve the next."""
-    return math.ceil((total_q + (STAT_ALIGN - 1) * sequences) / 16) * 16
+    is a multiple of STAT_ALIGN, so that the last sequence's last tile is whole, the rows of
+    every head start 16-byte aligned, and the kernels compiled for one batch serve the next."""
+    return math.ceil((total_q + (STAT_ALIGN - 1) * sequences) / STAT_ALIGN) * STAT_ALIGN
 
 
 def search_steps(sequences: int) -> int:

@@ -35,6 +35,7 @@ from tilegym.ops.attention.kernels.packed import (
     past_the_end,
     rows_of,
     sequence_rows,
+    stat_first_tile,
     stat_rows_of,
     stat_rows_of_rows,
     zero_rows_around,
@@ -214,7 +215,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     d_out = load_head(tile.dOut, b, q_head, q_tile, block_m, tiling.value)  # [block_m, Dv]
     sums_dv, sums_dk = tile.sums_dv, tile.sums_dk
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[None, :]  # [1, block_m]
-    lse = load_row_stat(tile.LseBase2, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+    lse = load_row_stat(tile.LseBase2, b, q_head, tile.stat_tile + q_tile, block_m)[None, :]  # [1, block_m]
     if lifts_padded_rows(scoring.switches):
         # Rows past the sequence (Q zero there) load LSE 0, and a score function or a one-row
         # bias may score them above 128 in base 2: exp2 would give inf, and inf * dOut's zero
@@ -223,7 +224,7 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     lse = alibi_shifted_lse(lse, q_tile, tile.kv_tile, scoring, k.main.dtype, True)
     delta = 0.0
     if sums_dk:
-        delta = load_row_stat(tile.Delta, b, q_head, q_tile, block_m)[None, :]  # [1, block_m]
+        delta = load_row_stat(tile.Delta, b, q_head, tile.stat_tile + q_tile, block_m)[None, :]  # [1, block_m]
 
     raw_t = head_dot(k, q, ct.zeros((block_n, block_m), acc_dtype), tiling.qk)  # [block_n, block_m]
     if tile.sum_dq:
@@ -416,6 +417,7 @@ def attention_backward_dkdv_kernel(
         first_q_head = kv_head * query_group_size
         members = query_group_size
     seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes
+    stat_tile = 0  # LseBase2's and Delta's tile index of query tile 0
     if varlen:
         k_rows = sequence_rows(CuSeqlensK, seq, K, max_seqlen_k)
         q_rows = sequence_rows(CuSeqlensQ, seq, Q, max_seqlen_q)
@@ -441,7 +443,14 @@ def attention_backward_dkdv_kernel(
             # (perf-notes#packed-aux-gradients).
             return
         Q, dOut = rows_of(Q, q_rows), rows_of(dOut, q_rows)
-        LseBase2, Delta = stat_rows_of(LseBase2, seq, q_rows), stat_rows_of(Delta, seq, q_rows)
+        if sum_dq:
+            # The statistics whole, from their first tile: slices would cost the fused backward's
+            # programs (one CTA per SM) a descriptor's round trip each (packed.stat_first_tile).
+            stat_tile = stat_first_tile(seq, q_rows, block_m)
+        else:
+            # At two CTAs per SM the other CTA covers those round trips, and the tile index's
+            # register spilled the D=128 causal form.
+            LseBase2, Delta = stat_rows_of(LseBase2, seq, q_rows), stat_rows_of(Delta, seq, q_rows)
         K, V, dK, dV = rows_of(K, k_rows), rows_of(V, k_rows), rows_of(dK, k_rows), rows_of(dV, k_rows)
         if sum_dq:
             # Each sequence's dQ sum is its own rows: a tile past the end adds nothing there.
@@ -486,8 +495,8 @@ def attention_backward_dkdv_kernel(
         pending_dq = head_zeros(block_m, tiling.qk, acc_dtype) if holds_dq else ct.zeros((1, 1), acc_dtype)
         state = KeyState(d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
         tile = KeyTile(
-            k, v, Q, dOut, LseBase2, Delta, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols, scoring,
-            bias_grad, sum_dq, sums_dv, sums_dk,
+            k, v, Q, dOut, LseBase2, Delta, stat_tile, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols,
+            scoring, bias_grad, sum_dq, sums_dv, sums_dk,
         )  # fmt: skip
         if block_sparse:
             lists = tile_lists(MaskCounts, MaskTiles, seq, q_head)

@@ -13,8 +13,9 @@ by the kernel that writes the array, one program per sequence and head taking th
 its sequence and, for the last sequence, after it (zero_rows_around).
 
 The backward's row statistics (Delta, the base-2 LSE) are arrays of its own, laid out so that
-each sequence's rows start at a multiple of STAT_ALIGN (stat_rows): the dK/dV loop then loads
-them by bulk copy, as the dense loop does.
+each sequence's rows start at a multiple of STAT_ALIGN, itself a multiple of every query tile
+(stat_rows): the dK/dV loop then loads them from the whole array at a tile index
+(stat_first_tile), as the dense loop does, with no slice of them.
 
 Lengths are clamped on the GPU, so inconsistent cumulative lengths (decreasing, past the end,
 longer than the maximum the grid was sized for) can never make a program read or write outside
@@ -27,7 +28,7 @@ import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.head import head_width, head_zeros, store_head
 from tilegym.ops.attention.kernels.state import Value
-from tilegym.ops.attention.kernels.tiles import NEG_INF, ConstBool
+from tilegym.ops.attention.kernels.tiles import NEG_INF, ConstBool, ConstInt
 from tilegym.ops.attention.packing import STAT_ALIGN
 
 # Rows per tile of the rows outside every sequence that a program zeros (zero_rows_around).
@@ -79,6 +80,13 @@ def stat_rows(seq, rows):
 def _stat_start(seq, start):
     """stat_rows' first row of sequence seq (a scalar, or a tile of them) that starts at start."""
     return (start + (STAT_ALIGN - 1) * (seq + 1)) // STAT_ALIGN * STAT_ALIGN
+
+
+@ct.function
+def stat_first_tile(seq, rows, block_m: ConstInt):
+    """The tile index, in a backward row statistic tiled by block_m rows (a divisor of
+    STAT_ALIGN), of sequence seq's first row (stat_rows)."""
+    return _stat_start(seq, rows.start) // block_m
 
 
 @ct.function

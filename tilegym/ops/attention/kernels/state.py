@@ -195,6 +195,7 @@ class KeyTile:
     dOut: Value
     LseBase2: Value
     Delta: Value
+    stat_tile: Value  # LseBase2's and Delta's tile index of query tile 0 (packed: not 0)
     DBias: Value
     DQSum: Value
     dq_scale: Value  # the softmax scale, applied to each dQ share
