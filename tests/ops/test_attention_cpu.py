@@ -1165,30 +1165,36 @@ def test_op_packed_stat_align_divides_every_query_tile():
     assert query_tiles and all(packing.STAT_ALIGN % block_m == 0 for block_m in query_tiles), sorted(query_tiles)
 
 
+_FUSED, _GROUPED = configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED
+
+
 @pytest.mark.parametrize(
-    "head_dim, causal, mods, fused",
+    "head_dim, causal, mods, q_heads, chosen",
     [
-        (128, True, score_mods.PLAIN, True),
-        (64, True, score_mods.PLAIN, True),  # FUSED_PACKED_HEAD_DIM_TILES
-        (64, False, score_mods.PLAIN, True),
-        (64, False, ScoreMods(window=(64, 64)), False),
-        (128, False, ScoreMods(window=(64, 64)), True),
+        (128, True, score_mods.PLAIN, 2, _FUSED),
+        (64, True, score_mods.PLAIN, 2, _FUSED),  # FUSED_PACKED_HEAD_DIM_TILES
+        (64, False, score_mods.PLAIN, 2, _FUSED),
+        (64, False, ScoreMods(window=(64, 64)), 2, None),
+        (128, False, ScoreMods(window=(64, 64)), 2, _FUSED),
+        (128, True, score_mods.PLAIN, 4, _GROUPED),
+        (64, True, score_mods.PLAIN, 4, None),  # grouped: FUSED_SHORT_LOOPS_HEAD_DIM_TILES
     ],
-    ids=["d128-causal", "d64-causal", "d64-full", "d64-window", "d128-window"],
+    ids=["d128-causal", "d64-causal", "d64-full", "d64-window", "d128-window", "d128-causal-gqa", "d64-causal-gqa"],
 )
-def test_op_packed_backward_design_choice(monkeypatch, head_dim, causal, mods, fused):
+def test_op_packed_backward_design_choice(monkeypatch, head_dim, causal, mods, q_heads, chosen):
     """ "auto" on a packed batch whose longest sequence has FUSED_BACKWARD_MIN_SEQLEN_K keys: the
     fused backward at D=128 (dispatch.FUSED_SHORT_LOOPS_HEAD_DIM_TILES), and without a window or a
-    mask function at D=64 too (FUSED_PACKED_HEAD_DIM_TILES)."""
+    mask function at D=64 too (FUSED_PACKED_HEAD_DIM_TILES), but not in the grouped form of
+    causal query groups."""
     from tilegym.ops.attention.problem import Packing
 
     monkeypatch.setenv("TILEGYM_BACKWARD", "auto")
     seqlen = dispatch.FUSED_BACKWARD_MIN_SEQLEN_K
     problem = problem_mod.AttentionProblem(
-        2, 2, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal, mods, packing=Packing(seqlen + 5, seqlen + 5)
-    )
-    chosen = dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False)
-    assert chosen == (configs.BACKWARD_FUSED if fused else None)
+        2, q_heads, 2, seqlen, seqlen, head_dim, torch.bfloat16, 0.125, causal, mods,
+        packing=Packing(seqlen + 5, seqlen + 5),
+    )  # fmt: skip
+    assert dispatch.fused_backward(problem, _RecordingLauncher(problem, "cpu").candidates, False) == chosen
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,9 @@ FUSED_BACKWARD_MIN_SEQLEN_K = 2048
 FUSED_SHORT_LOOPS_HEAD_DIM_TILES = (128,)
 # Packed without a window or a mask function the fused backward also won at D=64: full, bwd -4
 # to -5%, fwd+bwd -3 to -8% (perf-notes#fused-backward-packed); causal, once the dK/dV loop read
-# its statistics at a tile index, bwd -2 to -3% (perf-notes#packed-stats-tile-aligned).
+# its statistics at a tile index, bwd -2 to -5% plain, -4% with ALiBi, level with sinks; not in
+# the grouped form (causal GQA 8:1: +7%), which keeps FUSED_SHORT_LOOPS_HEAD_DIM_TILES
+# (perf-notes#packed-stats-tile-aligned).
 FUSED_PACKED_HEAD_DIM_TILES = (64, 128)
 # Softcap alone, and a score function alone declared elementwise (score_functions.elementwise)
 # without an aux gradient, take the fused backward where they were measured, forced or not:
@@ -72,8 +74,8 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
     torch.use_deterministic_algorithms
     (the order of the fp32 sums varies between runs); "auto" also needs
     FUSED_BACKWARD_MIN_SEQLEN_K keys (packed: in the longest sequence), with a window, a mask
-    function a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed, in FUSED_PACKED_HEAD_DIM_TILES
-    without them), and a window alone dense and ungrouped only where it
+    function a head dim in FUSED_SHORT_LOOPS_HEAD_DIM_TILES (packed, ungrouped and without them:
+    FUSED_PACKED_HEAD_DIM_TILES), and a window alone dense and ungrouped only where it
     spans FUSED_BACKWARD_MIN_SEQLEN_K keys (keys_per_query); ALiBi alone as plain attention (D=128:
     bwd 5-22% faster than two kernels, perf-notes#alibi-fused-d128); softcap alone, or a score function alone
     declared elementwise without an aux gradient, only dense at a head dim in
@@ -103,7 +105,7 @@ def fused_backward(problem: AttentionProblem, candidates, bias_grad: bool) -> st
         return name
     masks = "masks" in problem.mods.switches
     hidden = problem.mods.window is not None or masks
-    if problem.packing is not None and not hidden:
+    if problem.packing is not None and not (hidden or grouped):
         if tile not in FUSED_PACKED_HEAD_DIM_TILES:
             return None
     elif (hidden or problem.packing is not None) and tile not in FUSED_SHORT_LOOPS_HEAD_DIM_TILES:
