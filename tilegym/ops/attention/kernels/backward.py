@@ -476,7 +476,7 @@ def attention_backward_dkdv_kernel(
     )
     tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, block_dv_tail))
 
-    # Bulk copies also for a packed batch, whose dK/dV programs are long (packed.bulk_once).
+    # Bulk-copy loads also for a packed batch, whose dK/dV programs are long (packed.bulk_once).
     bulk_store = _stores_dkdv_by_bulk_copy(varlen, sum_dq, tiling)
     sums_dv = part != DKDV_KEY
     sums_dk = part != DKDV_VALUE

@@ -144,8 +144,9 @@ def bulk_once(varlen: ConstBool, tiling):
     global memory and waits for it, a round trip that costs these short programs a share of
     their time, so up to 128-wide heads they load those tiles without one. Wider heads keep bulk
     copies, since a plain load holds its tile in registers, which then spill (sm_90, D=192: up
-    to 207 local loads and stores in the dQ kernel). The dK/dV kernel keeps them too: its
-    programs are long, and without them its D=128 kernel spilled.
+    to 207 local loads and stores in the dQ kernel). The dK/dV kernel keeps them too for its
+    loads: its programs are long, and without them its D=128 kernel spilled (its stores:
+    backward._stores_dkdv_by_bulk_copy).
     """
     narrow = head_width(tiling.qk) <= 128 and head_width(tiling.value) <= 128
     return not (varlen and narrow)
