@@ -1165,6 +1165,28 @@ def test_op_packed_stat_align_divides_every_query_tile():
     assert query_tiles and all(packing.STAT_ALIGN % block_m == 0 for block_m in query_tiles), sorted(query_tiles)
 
 
+@pytest.mark.parametrize("block_m, packed, refused", [(256, True, True), (64, True, False), (256, False, False)])
+def test_op_packed_fused_forced_query_tile_must_divide_stat_align(block_m, packed, refused):
+    """A forced config whose query tile does not divide STAT_ALIGN would read a packed sequence's
+    statistics at the wrong tile (kernels/packed.py, stat_first_tile): refused for the packed
+    fused backward, before any launch, naming force_config; dense calls and dividing tiles pass."""
+    from tilegym.ops.attention.problem import Packing
+
+    problem = problem_mod.AttentionProblem(
+        2, 2, 2, 64, 64, 64, torch.bfloat16, 0.125, True, score_mods.PLAIN,
+        packing=Packing(70, 70) if packed else None,
+    )  # fmt: skip
+    forced = autotune.TileConfig(block_m=block_m, block_n=128)
+    with autotune.force_config(configs.BACKWARD_FUSED, forced):
+        launcher = _RecordingLauncher(problem, "cpu")
+        if refused:
+            with pytest.raises(ValueError, match="force_config.*block_m dividing 128, got 256"):
+                launcher.candidates(configs.BACKWARD_FUSED)
+        else:
+            assert launcher.candidates(configs.BACKWARD_FUSED) == (forced,)
+        assert launcher.candidates(configs.BACKWARD_DQ) != (forced,)
+
+
 _FUSED, _GROUPED = configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED
 
 

@@ -81,6 +81,7 @@ class _Launcher(TunedLauncher):
     def candidates(self, kernel_name: str):
         forced = autotune.forced_candidates(kernel_name)
         if forced is not None:
+            _check_forced_packed(self.problem, kernel_name, forced)
             return forced
         problem = self.problem
         scores = configs.score_tables(problem.mods.switches)
@@ -171,6 +172,20 @@ def _packing_arguments(problem: AttentionProblem, cu_seqlens: CuSeqlens | None, 
 
 
 _CU_SEQLENS = {"CuSeqlensQ", "CuSeqlensK"}
+
+
+def _check_forced_packed(problem: AttentionProblem, kernel_name: str, forced) -> None:
+    """A packed problem's fused backward reads its row statistics at the tile index of each
+    sequence's first row (kernels/packed.py, stat_first_tile), which only query tiles dividing
+    packing.STAT_ALIGN give; every table's do (a CPU test), a forced config might not."""
+    if problem.packing is None or not VARIANTS[kernel_name].fixed.get("sum_dq"):
+        return
+    for config in forced:
+        if packing.STAT_ALIGN % config.block_m:
+            raise ValueError(
+                f"force_config: {kernel_name} on a packed batch needs block_m dividing {packing.STAT_ALIGN}, "
+                f"got {config.block_m}"
+            )
 
 
 @cache

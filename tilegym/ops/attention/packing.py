@@ -22,9 +22,9 @@ CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
 PACKED_LAYOUT = ("total", "heads", "head_dim")
 # Rows that each sequence's rows of a backward row statistic start at a multiple of
 # (kernels/packed.py, stat_rows): a multiple of every query tile (16 to 128 rows), so that the
-# dK/dV loop loads a tile of them from the whole array at a tile index, as the dense loop does,
-# with no bulk-copy descriptor of a slice to build per program (perf-notes#packed-stats-tile-aligned).
-# From a slice aligned to 4 rows (16 bytes of fp32) it needed two of those descriptors.
+# fused backward's dK/dV loop loads a tile of them from the whole array at a tile index, with no
+# bulk-copy descriptor of a slice to build per program (perf-notes#packed-stats-tile-aligned).
+# From slices aligned to 4 rows (16 bytes of fp32) it built two of those descriptors.
 STAT_ALIGN = 128
 
 
@@ -59,8 +59,10 @@ def backward_row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     """A row statistic of a packed problem's backward (Delta, the base-2 LSE), [1, Hq,
     stat_rows_total], each sequence's rows from a multiple of STAT_ALIGN (kernels/packed.py,
     stat_rows). Zeroed: the dK/dV loop's last query tile of a sequence reads the rows after it up
-    to the next multiple of STAT_ALIGN, which no kernel writes; there, as past the end of a dense
-    sequence, Delta and the LSE are 0 while Q and dOut load zeros."""
+    to the next multiple of STAT_ALIGN, which hold no sequence's statistics: zeros there, as past
+    the end of a dense sequence, while Q and dOut load zeros; or, after the last sequence, those
+    the preprocess run as one gives rows outside every sequence (Delta 0, their output being
+    zeros, and a base-2 LSE of +inf: probability 0)."""
     rows = stat_rows_total(problem.packing.total_q, problem.batch)
     return torch.zeros((1, problem.q_heads, rows), dtype=problem.stat_dtype, device=device)
 

@@ -14,8 +14,9 @@ its sequence and, for the last sequence, after it (zero_rows_around).
 
 The backward's row statistics (Delta, the base-2 LSE) are arrays of its own, laid out so that
 each sequence's rows start at a multiple of STAT_ALIGN, itself a multiple of every query tile
-(stat_rows): the dK/dV loop then loads them from the whole array at a tile index
-(stat_first_tile), as the dense loop does, with no slice of them.
+(stat_rows): the fused backward's dK/dV loop loads them from the whole array at a tile index
+(stat_first_tile), with no slice of them; the two-kernel one from a slice declared aligned
+(stat_rows_of); both by bulk copy, as the dense loop does.
 
 Lengths are clamped on the GPU, so inconsistent cumulative lengths (decreasing, past the end,
 longer than the maximum the grid was sized for) can never make a program read or write outside
