@@ -30,6 +30,7 @@ from tilegym.ops.attention.kernels.modifiers import (
 )
 from tilegym.ops.attention.kernels.packed import (
     Rows,
+    bulk_dkdv_stores,
     bulk_once,
     has_no_rows,
     past_the_end,
@@ -312,16 +313,6 @@ def _add_pending_dq(DQSum, b, q_head, state, block_m: ConstInt, qk_split, varlen
 
 
 @ct.function
-def _stores_dkdv_by_bulk_copy(varlen: ConstBool, sum_dq: ConstBool, tiling):
-    """Whether a dK/dV program stores its dK and dV by bulk copy (tiles.load_tile): not the packed
-    fused backward's at heads up to 64 wide, whose copies from slices each built a descriptor
-    after the loop, and whose causal 128x128 form spilled 16 local loads with them and none
-    without (perf-notes#packed-fused-plain-stores). Wider, the plain stores spilled instead."""
-    narrow = head_width(tiling.qk) <= 64 and head_width(tiling.value) <= 64
-    return not (varlen and sum_dq and narrow)
-
-
-@ct.function
 def _dkdv_loop(first, last, state, tile, masked: ConstBool):
     """state plus the contributions of query tiles [first, last)."""
     for q_tile in range(first, last):
@@ -477,7 +468,7 @@ def attention_backward_dkdv_kernel(
     tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, block_dv_tail))
 
     # Bulk-copy loads also for a packed batch, whose dK/dV programs are long (packed.bulk_once).
-    bulk_store = _stores_dkdv_by_bulk_copy(varlen, sum_dq, tiling)
+    bulk_store = bulk_dkdv_stores(varlen, sum_dq, tiling)
     sums_dv = part != DKDV_KEY
     sums_dk = part != DKDV_VALUE
     k = load_head(K, b, kv_head, kv_tile, block_n, tiling.qk)  # [block_n, D]

@@ -147,10 +147,20 @@ def bulk_once(varlen: ConstBool, tiling):
     copies, since a plain load holds its tile in registers, which then spill (sm_90, D=192: up
     to 207 local loads and stores in the dQ kernel). The dK/dV kernel keeps them too for its
     loads: its programs are long, and without them its D=128 kernel spilled (its stores:
-    backward._stores_dkdv_by_bulk_copy).
+    bulk_dkdv_stores).
     """
     narrow = head_width(tiling.qk) <= 128 and head_width(tiling.value) <= 128
     return not (varlen and narrow)
+
+
+@ct.function
+def bulk_dkdv_stores(varlen: ConstBool, sum_dq: ConstBool, tiling):
+    """Whether a dK/dV program stores its dK and dV by bulk copy (tiles.load_tile): not the packed
+    fused backward's at heads up to 64 wide, whose copies from slices each built a descriptor
+    after the loop, and whose causal 128x128 form spilled 16 local loads with them and none
+    without (perf-notes#packed-fused-plain-stores). Wider, the plain stores spilled instead."""
+    narrow = head_width(tiling.qk) <= 64 and head_width(tiling.value) <= 64
+    return not (varlen and sum_dq and narrow)
 
 
 @ct.function
