@@ -1187,6 +1187,28 @@ def test_op_packed_fused_forced_query_tile_must_divide_stat_align(block_m, packe
         assert launcher.candidates(configs.BACKWARD_DQ) != (forced,)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
+@pytest.mark.parametrize("mods", [score_mods.PLAIN, ScoreMods(window=(64, 0))], ids=["plain", "window"])
+def test_op_packed_plain_fused_backward_runs_its_first_config_untuned(packed, mods):
+    """A packed batch without score modifiers runs the fused backward on its table's first config
+    (configs.PACKED_FIRST_ONLY): tuned, it picked a config 11-12% slower in the whole backward.
+    Dense calls and packed ones with a modifier keep their tables, as do the other kernels."""
+    from tilegym.ops.attention.problem import Packing
+
+    problem = problem_mod.AttentionProblem(
+        2, 32, 32, 2048, 2048, 64, torch.bfloat16, 0.125, False, mods,
+        packing=Packing(2048, 2048) if packed else None,
+    )  # fmt: skip
+    launcher = _RecordingLauncher(problem, "cpu")
+    tables = configs.score_tables(mods.switches)
+    table = configs.candidates(configs.BACKWARD_FUSED, "sm_90", 64, 2, tables)
+    assert len(configs.candidates(configs.BACKWARD_FUSED, "sm_90", 64, 2)) > 1
+    untuned = packed and mods == score_mods.PLAIN
+    assert launcher.candidates(configs.BACKWARD_FUSED) == (table[:1] if untuned else table)
+    forward = configs.candidates(configs.FORWARD_LSE, "sm_90", 64, 2, tables)
+    assert len(forward) > 1 and launcher.candidates(configs.FORWARD_LSE) == forward
+
+
 _FUSED, _GROUPED = configs.BACKWARD_FUSED, configs.BACKWARD_FUSED_GROUPED
 
 

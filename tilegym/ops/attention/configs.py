@@ -442,6 +442,13 @@ SCORE_TABLES = {
 }
 
 
+# Kernels that a packed batch without score modifiers runs on their table's first config,
+# untuned. Timed alone, the D=64 fused backward's two configs came out close and fresh tunings
+# picked either; in the whole backward 64x128 ran 11-12% slower than 128x128 (full mask, 8 x
+# 2048 and the benchmark's drawn batch; perf-notes#packed-fused-untuned).
+PACKED_FIRST_ONLY = frozenset({BACKWARD_FUSED})
+
+
 @cache
 def candidates(
     kernel: str,
@@ -450,10 +457,12 @@ def candidates(
     element_size: int,
     scores: ScoreTables = ScoreTables.PLAIN,
     value_dim: int | None = None,
+    packed: bool = False,
 ) -> tuple[TileConfig, ...]:
     """The configs to try for one kernel, first one the default; scores: the tables the call's
     score switches pick (score_tables); value_dim: V's head dim where it differs from head_dim
-    (the tables of the wider, unless PAIR_TABLES hold the pair).
+    (the tables of the wider, unless PAIR_TABLES hold the pair); packed: for a packed batch
+    (PACKED_FIRST_ONLY).
 
     With score modifiers no config runs on CTA clusters outside the tables of ALiBi, a mask,
     softcap or a window alone, or a score function (measured there on sm_90): the two-CTA
@@ -461,6 +470,16 @@ def candidates(
     (perf-notes#forward-cta-clusters).
     Cached: every launch asks.
     """
+    choices = _table_choices(kernel, arch, head_dim, element_size, scores, value_dim)
+    if packed and scores == ScoreTables.PLAIN and kernel in PACKED_FIRST_ONLY:
+        return choices[:1]
+    return choices
+
+
+def _table_choices(
+    kernel: str, arch: str, head_dim: int, element_size: int, scores: ScoreTables, value_dim: int | None
+) -> tuple[TileConfig, ...]:
+    """candidates as the tables hold them."""
     value_dim = head_dim if value_dim is None else value_dim
     pair = PAIR_TABLES.get(arch, {}).get((head_dim, value_dim), {})
     if kernel in pair and element_size == 2 and scores == ScoreTables.PLAIN:
