@@ -1139,7 +1139,7 @@ def test_op_packed_launch_arguments(monkeypatch, choice):
     "lengths", [[5, 0, 7, 1, 1, 13], [0, 0, 0], [4, 4, 4, 4], [1] * 40, [3000, *([17] * 20)]], ids=str
 )
 def test_op_packed_backward_stat_rows_fit(lengths):
-    """The packed backward's row statistics (packing.backward_row_stat): each sequence's rows
+    """The packed backward's row statistics (packing.backward_row_stats): each sequence's rows
     start at a multiple of STAT_ALIGN no earlier than its start plus (STAT_ALIGN - 1) per sequence
     before it (kernels/packed.py, stat_rows, restated here), so that whole tiles of its rows, which
     the dK/dV loop reads, never reach the next sequence's and all fit in stat_rows_total rows."""
@@ -1156,6 +1156,24 @@ def test_op_packed_backward_stat_rows_fit(lengths):
         end = first + math.ceil(length / align) * align
         assert end <= total
     assert 2 ** packing.search_steps(len(lengths)) >= len(lengths)  # halvings of [0, N) to one
+
+
+def test_op_packed_backward_stats_are_zeroed_disjoint_aligned_halves():
+    """Delta and the base-2 LSE of a packed backward (packing.backward_row_stats): zeroed, each
+    [1, Hq, stat_rows_total], disjoint halves of one allocation, the second 16-byte aligned."""
+    from tilegym.ops.attention.problem import Packing
+
+    problem = problem_mod.AttentionProblem(
+        3, 5, 5, 70, 70, 64, torch.bfloat16, 0.125, True, score_mods.PLAIN, packing=Packing(131, 131)
+    )
+    delta, lse_base2 = packing.backward_row_stats(problem, "cpu")
+    rows = packing.stat_rows_total(131, 3)
+    for stat in (delta, lse_base2):
+        assert stat.shape == (1, 5, rows) and stat.is_contiguous() and not stat.any()
+    gap = lse_base2.data_ptr() - delta.data_ptr()
+    assert gap == 5 * rows * delta.element_size() and gap % 16 == 0
+    lse_base2.fill_(1.0)
+    assert not delta.any()
 
 
 def test_op_packed_stat_align_divides_every_query_tile():

@@ -56,12 +56,12 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     return torch.empty((problem.batch, problem.q_heads, problem.seqlen_q), dtype=problem.stat_dtype, device=device)
 
 
-def backward_row_stat(problem: AttentionProblem, device) -> torch.Tensor:
-    """An uninitialized row statistic of the backward (Delta, the base-2 LSE): as the LSE
-    (row_stat), packed in a layout of its own (packing.backward_row_stat)."""
+def backward_row_stats(problem: AttentionProblem, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's two row statistics, Delta and the base-2 LSE: uninitialized, as the LSE
+    (row_stat); packed, in a layout of their own (packing.backward_row_stats)."""
     if problem.packing:
-        return packing.backward_row_stat(problem, device)
-    return row_stat(problem, device)
+        return packing.backward_row_stats(problem, device)
+    return row_stat(problem, device), row_stat(problem, device)
 
 
 @lru_cache(maxsize=1024)
@@ -742,7 +742,7 @@ def _backward_steps(
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
     device = q.device
 
-    delta, lse_base2 = backward_row_stat(problem, device), backward_row_stat(problem, device)
+    delta, lse_base2 = backward_row_stats(problem, device)
     fused = dispatch.fused_backward(problem, launcher.candidates, d_bias is not None)
     d_lse, partial = row_grads.d_lse, row_grads.d_sinks_partial
     lse_grad = {"DLse": _or_unused(d_lse, device, 3), "lse_grad": d_lse is not None}
@@ -927,7 +927,7 @@ class _BackwardPlan:
             targets = GradientTargets(sums[0], dk, dv, grouped=False)
         else:
             targets = GradientTargets(*sums, grouped=True)
-        return _Workspaces(backward_row_stat(problem, device), backward_row_stat(problem, device), targets)
+        return _Workspaces(*backward_row_stats(problem, device), targets)
 
 
 def _layout(tensor: torch.Tensor) -> tuple:

@@ -55,16 +55,19 @@ def row_stat(problem: AttentionProblem, device) -> torch.Tensor:
     return torch.empty((problem.q_heads, problem.packing.total_q), dtype=problem.stat_dtype, device=device)
 
 
-def backward_row_stat(problem: AttentionProblem, device) -> torch.Tensor:
-    """A row statistic of a packed problem's backward (Delta, the base-2 LSE), [1, Hq,
-    stat_rows_total], each sequence's rows from a multiple of STAT_ALIGN (kernels/packed.py,
-    stat_rows). Zeroed: the dK/dV loop's last query tile of a sequence reads the rows after it up
-    to the next multiple of STAT_ALIGN, which hold no sequence's statistics: zeros there, as past
-    the end of a dense sequence, while Q and dOut load zeros; or, after the last sequence, those
-    the preprocess run as one gives rows outside every sequence (Delta 0, their output being
-    zeros, and a base-2 LSE of +inf: probability 0)."""
+def backward_row_stats(problem: AttentionProblem, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row statistics of a packed problem's backward, Delta and the base-2 LSE, each [1, Hq,
+    stat_rows_total]: the two halves of one allocation, so that one memset zeroes both (the
+    second starts Hq * stat_rows_total values in, 16-byte aligned as rows of whole tiles). Each
+    sequence's rows start at a multiple of STAT_ALIGN (kernels/packed.py, stat_rows). Zeroed: the
+    dK/dV loop's last query tile of a sequence reads the rows after it up to the next multiple of
+    STAT_ALIGN, which hold no sequence's statistics: zeros there, as past the end of a dense
+    sequence, while Q and dOut load zeros; or, after the last sequence, those the preprocess run
+    as one gives rows outside every sequence (Delta 0, their output being zeros, and a base-2 LSE
+    of +inf: probability 0)."""
     rows = stat_rows_total(problem.packing.total_q, problem.batch)
-    return torch.zeros((1, problem.q_heads, rows), dtype=problem.stat_dtype, device=device)
+    both = torch.zeros((2, 1, problem.q_heads, rows), dtype=problem.stat_dtype, device=device)
+    return both[0], both[1]
 
 
 def stat_rows_total(total_q: int, sequences: int) -> int:
