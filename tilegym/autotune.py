@@ -377,7 +377,10 @@ def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compi
     """The candidate with the smallest median time; failures are skipped with a warning."""
     import cuda.tile as ct
 
-    _compile_ahead(launch, candidates)  # side by side, while the first ones are timed
+    # Side by side, while the first ones are timed: by then the compiles are mostly tileiras
+    # processes. One being lowered to bytecode holds the interpreter and slowed timed launches
+    # fourfold when forced to overlap them, but no first call's timing was off (perf-notes 112).
+    _compile_ahead(launch, candidates)
     medians = {}
     for config in candidates:
         try:
