@@ -379,7 +379,7 @@ def _search(launch: TunedKernel, candidates: Sequence[TileConfig], stream, compi
 
     # Side by side, while the first ones are timed: by then the compiles are mostly tileiras
     # processes. One being lowered to bytecode holds the interpreter and slowed timed launches
-    # fourfold when forced to overlap them, but no first call's timing was off (perf-notes 112).
+    # fourfold when forced to overlap them; in the first calls measured, none was (perf-notes 112).
     _compile_ahead(launch, candidates)
     medians = {}
     for config in candidates:
