@@ -98,9 +98,13 @@ _SM90_DQ = {
     256: [_c(128, 32, num_worker_warps=8), _c(64, 64, num_worker_warps=8)],
 }
 # The fused backward (dK/dV kernel summing dQ by TMA reductions): where it is used,
-# dispatch.FUSED_BACKWARD_MIN_SEQLEN_K says; only head dims with a table here take it.
+# dispatch.FUSED_BACKWARD_MIN_SEQLEN_K says; only head dims with a table here take it. At D=64,
+# 128x128 only: in the whole backward 64x128 ran 6-14% slower on every shape measured, dense
+# and packed, full and causal, 2048 to 16384 keys, while timed alone it came close enough
+# that fresh tunings of packed batches picked it (perf-notes#packed-fused-untuned,
+# #tuner-against-whole-backward, #fused-d64-one-config).
 _SM90_FUSED = {
-    64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)],
+    64: [_c(128, 128, num_worker_warps=8)],
     128: [_c(64, 128, num_worker_warps=8)],
 }
 # Tables of one (Q/K head dim, V head dim) pair, ahead of the head-dim tile's for plain scores
@@ -216,6 +220,9 @@ _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_
 # inside them) and its backward ran 5-16% faster than two kernels, 64x64 40% slower
 # (perf-notes#alibi-fused-d128); the grouped form takes plain attention's table as it is.
 _SM90_FUSED_SCORES = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
+# A mask function alone keeps both D=64 tiles for the tuner: block masks skip tiles of their own
+# shape, which the measurements above (no mask function among them) did not weigh.
+_SM90_FUSED_MASKED = _SM90_FUSED | {64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)]}
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
 # plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
 # 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
@@ -411,13 +418,14 @@ ALIBI_TABLES = {
     ("sm_90", BACKWARD_FUSED): _SM90_FUSED_SCORES,
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV_ALIBI,
 }
-# A mask function alone runs the fused backward on plain attention's tables (TABLES): at D=128
+# A mask function alone runs the fused backward on plain attention's tiles: at D=128
 # the document mask spills there (17 local stores; a window with global tokens and prefix-LM do
 # not) and still ran 11% faster than two kernels at 16384 keys; 64x64 tiles, clean, were 15-45%
 # slower (perf-notes#fused-backward-masks).
 MASK_TABLES = {
     **_sm90_forwards(_SM90_FORWARD_MASKED),
     ("sm_90", BACKWARD_DKDV): _SM90_DKDV,
+    ("sm_90", BACKWARD_FUSED): _SM90_FUSED_MASKED,
 }
 FUNCTION_TABLES = {
     **_sm90_forwards(_SM90_FORWARD_FUNCTIONS, _SM90_FORWARD_FIXED_MAX),
@@ -442,13 +450,6 @@ SCORE_TABLES = {
 }
 
 
-# Kernels that a packed batch without score modifiers runs on their table's first config,
-# untuned. Timed alone, the D=64 fused backward's two configs came out close and fresh tunings
-# picked either; in the whole backward 64x128 ran 11-12% slower than 128x128 (full mask, 8 x
-# 2048 and the benchmark's drawn batch; perf-notes#packed-fused-untuned).
-PACKED_FIRST_ONLY = frozenset({BACKWARD_FUSED})
-
-
 @cache
 def candidates(
     kernel: str,
@@ -457,12 +458,10 @@ def candidates(
     element_size: int,
     scores: ScoreTables = ScoreTables.PLAIN,
     value_dim: int | None = None,
-    packed: bool = False,
 ) -> tuple[TileConfig, ...]:
     """The configs to try for one kernel, first one the default; scores: the tables the call's
     score switches pick (score_tables); value_dim: V's head dim where it differs from head_dim
-    (the tables of the wider, unless PAIR_TABLES hold the pair); packed: for a packed batch
-    (PACKED_FIRST_ONLY).
+    (the tables of the wider, unless PAIR_TABLES hold the pair).
 
     With score modifiers no config runs on CTA clusters outside the tables of ALiBi, a mask,
     softcap or a window alone, or a score function (measured there on sm_90): the two-CTA
@@ -470,16 +469,6 @@ def candidates(
     (perf-notes#forward-cta-clusters).
     Cached: every launch asks.
     """
-    choices = _table_choices(kernel, arch, head_dim, element_size, scores, value_dim)
-    if packed and scores == ScoreTables.PLAIN and kernel in PACKED_FIRST_ONLY:
-        return choices[:1]
-    return choices
-
-
-def _table_choices(
-    kernel: str, arch: str, head_dim: int, element_size: int, scores: ScoreTables, value_dim: int | None
-) -> tuple[TileConfig, ...]:
-    """candidates as the tables hold them."""
     value_dim = head_dim if value_dim is None else value_dim
     pair = PAIR_TABLES.get(arch, {}).get((head_dim, value_dim), {})
     if kernel in pair and element_size == 2 and scores == ScoreTables.PLAIN:

@@ -86,9 +86,8 @@ class _Launcher(TunedLauncher):
         problem = self.problem
         scores = configs.score_tables(problem.mods.switches)
         return configs.candidates(
-            kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, scores, problem.value_dim,
-            packed=problem.packing is not None,
-        )  # fmt: skip
+            kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, scores, problem.value_dim
+        )
 
     def tuned(self, name: str, values: dict, before_each=None, packed_as_one=False) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
