@@ -35,14 +35,17 @@ def _lower(kwargs, mods=None, q=None, k=None, is_causal=True, cu_seqlens=None):
 
 def test_op_predefined_softcap_becomes_the_switch_where_it_computes_the_same():
     """softcap(cap) is softcap=cap: the hardware tanh for 16-bit inputs, the exact one for 32-
-    and 64-bit; after a bias or ALiBi (the switch comes first), with a softcap already, or with
-    the other tanh, it stays a function. A mask function beside it stays."""
-    mods, functions = _lower(sf.softcap(30.0))
-    assert mods.softcap == 30.0 and functions is None
-    for dtype in (torch.float32, torch.float64):
-        mods, functions = _lower(sf.softcap(30.0, approximate=False), q=_dense(dtype)[0], k=_dense(dtype)[1])
+    and 64-bit, by default or asked for; after a bias or ALiBi (the switch comes first), with a
+    softcap already, or with the other tanh asked for, it stays a function. A mask function
+    beside it stays."""
+    for approximate in (None, True):
+        mods, functions = _lower(sf.softcap(30.0, approximate))
         assert mods.softcap == 30.0 and functions is None
-        mods, functions = _lower(sf.softcap(30.0), q=_dense(dtype)[0], k=_dense(dtype)[1])
+    for dtype in (torch.float32, torch.float64):
+        for approximate in (None, False):
+            mods, functions = _lower(sf.softcap(30.0, approximate), q=_dense(dtype)[0], k=_dense(dtype)[1])
+            assert mods.softcap == 30.0 and functions is None
+        mods, functions = _lower(sf.softcap(30.0, approximate=True), q=_dense(dtype)[0], k=_dense(dtype)[1])
         assert mods.softcap is None and functions.score_mod is not None, "the hardware tanh asked of 32/64 bits"
     mods, functions = _lower(sf.softcap(30.0, approximate=False))
     assert mods.softcap is None and functions.score_mod is not None, "the exact tanh asked of 16 bits"
@@ -113,6 +116,33 @@ def test_op_predefined_window_becomes_window_size():
     for bad in ((-2, 0), (1.5, 0), (True, 0)):
         with pytest.raises(ValueError, match="left must be an int"):
             sf.sliding_window(*bad, SQ, SK)
+
+
+def test_op_predefined_softcap_left_to_pick_its_tanh_stays_a_function_with_the_switchs():
+    """Where the default softcap(cap) stays a function (after a bias here), it runs the tanh
+    softcap= would take: as written for 16-bit inputs, the approximate=False copy for 32/64-bit
+    ones (its gradient too, unless the caller gave another)."""
+    auto, exact, hardware = sf.softcap(30.0), sf.softcap(30.0, approximate=False), sf.softcap(30.0, True)
+    bias = _mods(attn_bias=torch.zeros(1, 1, SQ, SK))
+    _, functions = _lower(auto, mods=bias)
+    assert (functions.score_mod, functions.score_mod_grad) == (auto["score_mod"], auto["score_mod_grad"])
+    for dtype in (torch.float32, torch.float64):
+        q, k = _dense(dtype)
+        _, functions = _lower(auto, mods=bias, q=q, k=k)
+        assert (functions.score_mod, functions.score_mod_grad) == (exact["score_mod"], exact["score_mod_grad"])
+        _, functions = _lower(hardware, mods=bias, q=q, k=k)
+        assert functions.score_mod is hardware["score_mod"], "the tanh asked for"
+
+        def own_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
+            return grad
+
+        _, functions = _lower({**auto, "score_mod_grad": own_grad}, q=q, k=k)
+        assert (functions.score_mod, functions.score_mod_grad) == (exact["score_mod"], own_grad)
+    from tilegym.ops.attention import programmable
+
+    assert programmable.fingerprint(auto["score_mod"]) == programmable.fingerprint(hardware["score_mod"])
+    with pytest.raises(TypeError, match="approximate"):
+        sf.softcap(30.0, approximate=1)
 
 
 def test_op_predefined_on_packed_batches():

@@ -26,6 +26,7 @@ from tests.ops.attention_cases import (
     make_inputs,
     max_error,
     ran_with,
+    reference_run,
 )
 from tests.ops.conftest import requires_cuda
 from tilegym import (
@@ -485,9 +486,8 @@ def _predefined_and_keyword(case, dtype, causal):
     learnable tensors)."""
     slopes = torch.rand(case.q_heads, device="cuda") * 0.2 + 0.01
     bias = torch.randn(1, case.q_heads, case.seqlen_q, case.seqlen_k, device="cuda").requires_grad_()
-    sixteen_bits = dtype in (torch.float16, torch.bfloat16)
     return {
-        "softcap": (sf.softcap(4.0, approximate=sixteen_bits), {"softcap": 4.0}, []),
+        "softcap": (sf.softcap(4.0), {"softcap": 4.0}, []),
         "alibi": (sf.alibi(slopes, case.seqlen_q, case.seqlen_k), {"alibi_slopes": slopes}, []),
         "bias": (sf.additive_bias(bias), {"attn_bias": bias}, [bias]),
         # and-ed with causal, nothing right of the diagonal: window_size's right side must be 0
@@ -517,6 +517,36 @@ def test_op_predefined_functions_are_the_builtin_modifiers(name, causal, dtype):
     reference, _ = attention_reference(q, k, v, is_causal=causal, **keyword)
     baseline, _ = attention_reference(q, k, v, is_causal=causal, compute_dtype=dtype, **keyword)
     assert_close_to_reference("out", results[0][0], baseline, reference, dtype)
+
+
+def _softcap_4_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
+    """d/ds 4 tanh(s / 4), written by a caller: keeps score_functions.softcap(4.0) a function."""
+    capped = out * 0.25
+    return grad * (1.0 - capped * capped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_op_default_softcap_takes_the_exact_tanh_on_wide_inputs(dtype):
+    """score_functions.softcap(cap) left to pick its tanh, on 32/64-bit inputs: alone it runs
+    softcap= (the same bits); kept a function (a gradient of the caller's) it runs the exact tanh,
+    within the dtype's tolerance of the float64 reference (the hardware tanh, 2^-11, misses
+    float32's by far and has no float64 form)."""
+    case = Case("small", 2, 4, 2, 45, 61, 64)
+    q, k, v = make_inputs(case, dtype, requires_grad=True)
+    d_out = torch.randn_like(q)
+    ref_out, _, ref_grads = reference_run(q, k, v, d_out, True, {"softcap": 4.0}, torch.float64)
+    base_out, _, base_grads = reference_run(q, k, v, d_out, True, {"softcap": 4.0}, dtype)
+    results = []
+    for kwargs in ({"softcap": 4.0}, sf.softcap(4.0), {**sf.softcap(4.0), "score_mod_grad": _softcap_4_grad}):
+        _poison_allocator()
+        out = tile_fmha_with_backward(q, k, v, is_causal=True, **kwargs)
+        grads = torch.autograd.grad(out, [q, k, v], d_out)
+        for name, ours, base, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (base_out, *base_grads),
+                                         (ref_out, *ref_grads), strict=True):  # fmt: skip
+            assert_close_to_reference(name, ours, base, ref, dtype)
+        results.append((out, *grads))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_op_attention_programmable_gradcheck():

@@ -12,7 +12,8 @@ windows as tile ranges) that a function of one's own cannot reach (perf-notes#pr
 A marked function runs as the function it is (inlined like any other) wherever the built-in
 code would compute something else or cannot take it: another modifier of the same kind in the
 call, a modifier applied before it that it does not commute with (softcap after a bias), an
-exact tanh asked of 16-bit inputs or the hardware tanh of 32/64-bit ones, lengths other than
+exact tanh asked of 16-bit inputs or the hardware tanh of 32/64-bit ones (a softcap left to pick
+its tanh takes softcap='s, as a function too), lengths other than
 the ones the function was made for, a packed batch whose sequences may each have their own
 (alibi and sliding_window), tensors the keyword argument refuses, or a score_mod_grad or
 aux_grad other than the one its factory gives (or none).
@@ -28,12 +29,16 @@ from tilegym.ops.attention.caller_functions import CallerFunctions
 
 @dataclass(frozen=True)
 class Softcap:
-    """score -> cap * tanh(score / cap): softcap=cap. approximate: the hardware tanh, which
-    softcap= uses for 16-bit inputs (the exact one for 32- and 64-bit inputs)."""
+    """score -> cap * tanh(score / cap): softcap=cap. approximate: True, the hardware tanh, which
+    softcap= uses for 16-bit inputs; False, the exact one, which it uses for 32- and 64-bit
+    inputs; None, the one softcap= would take for the call's inputs. exact: for None, the
+    (score_mod, score_mod_grad) with the exact tanh, run where the function stays one on wider
+    inputs."""
 
     cap: float
-    approximate: bool
+    approximate: bool | None
     score_mod_grad: Callable
+    exact: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -89,21 +94,31 @@ def lower(mods, functions, q, k, is_causal, cu_seqlens=None):
     if q.dim() != (3 if cu_seqlens is not None else 4) or k.dim() != q.dim():
         return mods, functions
     lengths = _Lengths(q, k, cu_seqlens)
-    keywords, removed = {}, {}
+    keywords, changed = {}, {}
     if score is not None and _companions_given(functions, score):
         keyword = _score_keyword(mods, score, functions.aux_tensors(), q, lengths)
         if keyword is not None:
             keywords.update(keyword)
-            removed.update(score_mod=None, score_mod_grad=None, aux=None, aux_grad=None)
+            changed.update(score_mod=None, score_mod_grad=None, aux=None, aux_grad=None)
+    if "score_mod" not in changed and isinstance(score, Softcap) and score.exact and not _sixteen_bits(q):
+        # A softcap left to pick its tanh stays a function on wider inputs: the exact tanh, as
+        # softcap= takes for them (the hardware one has no float64 form).
+        changed["score_mod"] = score.exact[0]
+        if functions.score_mod_grad is score.score_mod_grad:
+            changed["score_mod_grad"] = score.exact[1]
     if isinstance(window, Window) and _takes_window(mods, functions, window, lengths):
         keywords["window_size"] = (window.left, 0 if is_causal else window.right)
-        removed["mask_mod"] = None
-    if not keywords:
+        changed["mask_mod"] = None
+    if not changed:
         return mods, functions
     # Anything left (a tensor or gradient function without its function) stays, for the checks
     # to refuse; None where nothing is (CallerFunctions.of).
-    left = (removed.get(field.name, getattr(functions, field.name)) for field in fields(functions))
-    return replace(mods, **keywords), CallerFunctions.of(*left)
+    left = (changed.get(field.name, getattr(functions, field.name)) for field in fields(functions))
+    return replace(mods, **keywords) if keywords else mods, CallerFunctions.of(*left)
+
+
+def _sixteen_bits(q) -> bool:
+    return q.dtype in (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -137,11 +152,11 @@ def _companions_given(functions, score) -> bool:
 
 def _score_keyword(mods, score, aux: tuple, q, lengths: _Lengths) -> dict | None:
     """The keyword argument score stands for ({name: value}), or None where it stays a function."""
-    sixteen_bits = q.dtype in (torch.float16, torch.bfloat16)
     if isinstance(score, Softcap):
         # The built-in softcap comes first: after a bias or ALiBi the function computes another thing.
         builtin_before = mods.attn_bias is not None or mods.alibi_slopes is not None
-        if mods.softcap or builtin_before or aux or score.approximate != sixteen_bits:
+        other_tanh = score.approximate not in (None, _sixteen_bits(q))
+        if mods.softcap or builtin_before or aux or other_tanh:
             return None
         return {"softcap": score.cap}
     if isinstance(score, Alibi):

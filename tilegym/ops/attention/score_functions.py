@@ -74,22 +74,29 @@ def additive_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
     return grad
 
 
-def softcap(cap: float, approximate: bool = True) -> dict:
+def softcap(cap: float, approximate: bool | None = None) -> dict:
     """Gemma 2's soft capping: score -> cap * tanh(score / cap), with its gradient.
 
-    approximate: the hardware tanh, good to 2^-11 (below what 16-bit inputs carry, and what
-    softcap= uses for them); False for float32 and float64 inputs (a slower, exact tanh)."""
+    approximate: None, the tanh softcap= takes for the call's inputs: the hardware one (good to
+    2^-11, below what they carry) for 16-bit inputs, the exact one for float32 and float64; True,
+    the hardware tanh for any inputs but float64 (which it cannot take: the call is refused);
+    False, the exact tanh (slower) for any inputs."""
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    score_mod, score_mod_grad = _softcap_functions(float(cap), bool(approximate))
+    if approximate is not None and not isinstance(approximate, bool):
+        raise TypeError(f"approximate must be a bool or None, got {type(approximate).__name__}")
+    score_mod, score_mod_grad = _softcap_functions(float(cap), approximate)
     return {"score_mod": score_mod, "score_mod_grad": score_mod_grad}
 
 
 @lru_cache(maxsize=64)
-def _softcap_functions(cap: float, approximate: bool):
-    rounding = ct.RoundingMode.APPROX if approximate else None
+def _softcap_functions(cap: float, approximate: bool | None):
+    # None compiles as True (the same kernels) where the call's inputs are 16-bit; lowering swaps
+    # in the exact copy for wider inputs (predefined.lower).
+    rounding = None if approximate is False else ct.RoundingMode.APPROX
     score, grad = _specialized((_softcap_score, _softcap_grad), _CAP=cap, _INVERSE=1.0 / cap, _ROUNDING=rounding)
-    return predefined.mark(elementwise(score), predefined.Softcap(cap, approximate, grad)), grad
+    exact = _softcap_functions(cap, False) if approximate is None else None
+    return predefined.mark(elementwise(score), predefined.Softcap(cap, approximate, grad, exact)), grad
 
 
 # Constants of the templates below, set per copy (_specialized).
