@@ -116,7 +116,9 @@ def _softcap_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
 def inlined(functions: dict) -> dict:
     """A factory's keyword arguments whose functions run inlined as written, never as the
     built-in code they stand for (predefined.py): the same numbers through the mechanism a
-    function of one's own takes, to compare the two. The same copies for the same functions."""
+    function of one's own takes, to compare the two. The same copies for the same functions.
+    A softcap left to pick its tanh runs the hardware one so copied, as softcap(cap, True) does
+    (float64 inputs then need softcap(cap, False))."""
     return {name: _inlined_copy(value) if hasattr(value, "predefined") else value for name, value in functions.items()}
 
 
