@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.ops import test_attention_programmable as programmable_tests
+from tests.ops import test_attention_variants as variants_tests
 from tests.ops import test_attention_varlen as varlen_tests
 from tests.ops.attention_cases import Case, assert_close_to_reference, reference_run
 from tests.ops.conftest import requires_cuda
@@ -52,7 +53,7 @@ class Draw:
     softcap: float | None = None
     alibi: str | None = None  # "heads" [Hq] or "rows" [B or N, Hq]
     sinks: str | None = None  # "learned" or "fixed"
-    bias: str | None = None  # dense: "full", "rows" ([Sq, Sk]), "keys" ([B, 1, 1, Sk]); "+grad" learnable
+    bias: str | None = None  # dense: a shape of test_attention_variants._bias; "+grad": learnable
     lse_grad: bool = False
     scaling: float | None = None
     deterministic: bool = False
@@ -112,7 +113,9 @@ def _draw(rng: random.Random) -> Draw:
         views_fit = group == 1 and lengths_q == lengths_k and head_dim == value_dim
         fields["strided"] = views_fit and rng.random() < 0.3
     else:
-        fields["bias"] = rng.choice((None, None, None, None, "full", "rows", "keys", "full+grad", "keys+grad"))
+        fields["bias"] = rng.choice(
+            (None, None, None, None, "full", "2d", "batch-rows", "full+grad", "batch-rows+grad")
+        )
         fields["strided"] = rng.random() < 0.3
         fields["mode"] = rng.choice(("train", "train", "infer", "infer_lse"))
     return Draw(**fields)
@@ -158,7 +161,7 @@ def _modifiers(draw: Draw, q_heads: int, rows: int) -> dict:
         kwargs["softcap"] = draw.softcap
     if draw.alibi is not None:
         shape = (q_heads,) if draw.alibi == "heads" else (rows, q_heads)
-        kwargs["alibi_slopes"] = torch.rand(shape, device="cuda") * 0.1 + 0.01
+        kwargs["alibi_slopes"] = varlen_tests._slopes(*shape)
     if draw.sinks is not None:
         kwargs["sinks"] = varlen_tests._sinks(q_heads).requires_grad_(draw.sinks == "learned")
     if draw.scaling is not None:
@@ -180,15 +183,11 @@ def _dense_inputs(draw: Draw, dtype) -> tuple:
 
 
 def _bias(draw: Draw, q_heads: int, dtype):
-    batch, seqlen_q, seqlen_k = len(draw.lengths_q), draw.lengths_q[0], draw.lengths_k[0]
+    """attn_bias of draw's shape, by test_attention_variants' builder."""
     form, _, grad = draw.bias.partition("+")
-    shapes = {
-        "full": (batch, q_heads, seqlen_q, seqlen_k),
-        "rows": (seqlen_q, seqlen_k),
-        "keys": (batch, 1, 1, seqlen_k),
-    }
-    bias = torch.randn(shapes[form], dtype=dtype, device="cuda")
-    return bias.requires_grad_(bool(grad) and draw.mode == "train")
+    case = Case("drawn", len(draw.lengths_q), q_heads, draw.kv_heads, draw.lengths_q[0], draw.lengths_k[0],
+                draw.head_dim)  # fmt: skip
+    return variants_tests._bias(form, case, dtype, bool(grad) and draw.mode == "train")
 
 
 def _check_dense(draw: Draw, dtype):

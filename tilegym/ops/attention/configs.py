@@ -222,7 +222,7 @@ _SM90_DKDV_ALIBI = _SM90_DKDV_MODIFIED | {128: [_c(64, 64, occupancy=2), *_SM90_
 _SM90_FUSED_SCORES = _SM90_FUSED | {64: [_c(64, 128, num_worker_warps=8)]}
 # A mask function alone keeps both D=64 tiles for the tuner: block masks skip tiles of their own
 # shape, which the measurements above (no mask function among them) did not weigh.
-_SM90_FUSED_MASKED = _SM90_FUSED | {64: [_c(128, 128, num_worker_warps=8), _c(64, 128, num_worker_warps=8)]}
+_SM90_FUSED_MASKED = _SM90_FUSED | {64: _SM90_FUSED[64] + _SM90_FUSED_SCORES[64]}
 # A mask function alone hides scores as a window does: the forward keeps raw products, and on
 # plain attention's CTA clusters it ran 11-13% faster (D=128, a document mask, causal 4096 and
 # 16384; perf-notes#mask-forward-clusters). One CTA of two warpgroups stays a candidate: a
