@@ -273,6 +273,61 @@ def test_op_reference_rows_hidden_by_bias():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v, bias))
 
 
+def test_op_reference_score_mod_after_the_builtin_modifiers():
+    """score_mod sees the scores after softcap, bias and ALiBi, with index tensors along their
+    dims, and may hide pairs with -inf; a score_mod that adds a bias is attn_bias."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8, dtype=torch.float64), *torch.randn(2, 2, 3, 7, 8, dtype=torch.float64)
+    bias = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+    slopes = torch.rand(3, dtype=torch.float64)
+    seen = []
+
+    def added(scores, b, h, i, j):
+        seen.append((b.shape, h.shape, i.shape, j.shape))
+        return scores + bias[b, h, i, j]
+
+    for causal in (False, True):
+        got = attention_reference(q, k, v, is_causal=causal, softcap=3.0, alibi_slopes=slopes, score_mod=added)
+        want = attention_reference(q, k, v, is_causal=causal, softcap=3.0, alibi_slopes=slopes, attn_bias=bias)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert seen[0] == ((2, 1, 1, 1), (1, 3, 1, 1), (1, 1, 5, 1), (1, 1, 1, 7))
+    # Applied last: a tanh of its own after softcap=.
+    capped = attention_reference(q, k, v, is_causal=False, softcap=3.0, score_mod=lambda s, b, h, i, j: torch.tanh(s))
+    scores = torch.tanh(3.0 * torch.tanh(q @ k.transpose(-1, -2) / math.sqrt(8) / 3.0))
+    torch.testing.assert_close(capped[0], torch.softmax(scores, dim=-1) @ v, atol=1e-12, rtol=0)
+    # -inf hides a pair as a bias does.
+    upper = torch.arange(7)[None] > torch.arange(5)[:, None]
+    hidden = attention_reference(
+        q, k, v, is_causal=False, score_mod=lambda s, b, h, i, j: s.masked_fill(j > i, -math.inf)
+    )
+    hidden_by_bias = attention_reference(
+        q, k, v, is_causal=False, attn_bias=torch.zeros(5, 7, dtype=torch.float64).masked_fill(upper, -math.inf)
+    )
+    torch.testing.assert_close(hidden, hidden_by_bias, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "mask_mod"])
+def test_op_bias_gradient_starts_as_zeros_where_tiles_are_skipped(mask, monkeypatch):
+    """A full bias's gradient is written tile by tile by the dK/dV kernel, which never visits the
+    tiles a mask skips: the causal mask, a window and a mask function's block mask get zeros
+    to start from, an unmasked call an uninitialized tensor (NaN here)."""
+    from tilegym.ops.attention import programmable
+
+    def lower_left(b, h, q_idx, kv_idx, mask_aux):
+        return kv_idx <= q_idx
+
+    user = programmable.user_functions(mask_mod=lower_left) if mask == "mask_mod" else None
+    mods = ScoreMods(bias_mode=BIAS_PER_ROW, bias_shape=(1, 2, 6, 9), window=(3, 0) if mask == "window" else None,
+                     user=user)  # fmt: skip
+    problem = problem_mod.AttentionProblem(1, 2, 2, 6, 9, 64, torch.float32, 0.125, mask == "causal", mods)
+    q, k, v = torch.randn(1, 2, 6, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
+    monkeypatch.setattr(torch, "empty", lambda shape, **kwargs: torch.full(shape, math.nan, **kwargs))
+    tensors = score_mods.ModTensors(bias=torch.randn(1, 2, 6, 9))
+    *_, d_bias = launch._gradients(q, k, v, problem, (q, k, v), tensors, True)
+    assert d_bias.shape == (1, 2, 6, 9)
+    assert (d_bias.isnan() if mask == "none" else d_bias == 0).all()
+
+
 # ---- sinks ------------------------------------------------------------------------------------
 
 

@@ -713,8 +713,10 @@ def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensor
         dtype = mod_tensors.bias.dtype
     else:
         dtype = problem.stat_dtype
-    # Zeros where a mask or window skips tiles, which the kernel never writes.
-    skips_tiles = mods.bias_mode == score_mods.BIAS_PER_ROW and (problem.causal or mods.window is not None)
+    # Zeros where a mask, window or mask function skips tiles, which the kernel never writes.
+    skips_tiles = mods.bias_mode == score_mods.BIAS_PER_ROW and (
+        problem.causal or mods.window is not None or "masks" in mods.switches
+    )
     d_bias = (torch.zeros if skips_tiles else torch.empty)(shape, dtype=dtype, device=q.device)
     return (*grads, d_bias)
 
@@ -738,6 +740,8 @@ def _backward_steps(
 ):
     """The backward's launches, in order, and its workspaces (where they write dQ, dK and dV)."""
     problem = launcher.problem
+    if d_aux is not None:
+        mod_tensors = dataclasses.replace(mod_tensors, aux=aux_gradients.read_wide(mod_tensors.aux))
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
     device = q.device
 

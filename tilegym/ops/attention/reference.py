@@ -45,9 +45,15 @@ def attention_reference(
     softcap=None,
     alibi_slopes=None,
     sinks=None,
+    score_mod=None,
 ):
     """(out, lse) with out in compute_dtype and lse [B, Hq, Sq] in compute_dtype; differentiable
-    in q, k, v, attn_bias and sinks."""
+    in q, k, v, attn_bias and sinks.
+
+    score_mod: the meaning of a call's score and mask functions in PyTorch,
+    ``score_mod(scores, b, h, q_idx, kv_idx) -> scores`` with -inf where a pair is hidden; the
+    indices are int64 tensors that broadcast against scores [B, Hq, Sq, Sk]. Applied after the
+    built-in modifiers, as the kernels apply the caller's functions."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scaling is None else scaling
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
@@ -65,6 +71,8 @@ def attention_reference(
         distance = (torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
                     - torch.arange(seqlen_k, device=q.device)[None, :]).abs()  # fmt: skip
         scores = scores - slopes * distance.to(compute_dtype)
+    if score_mod is not None:
+        scores = score_mod(scores, *_indices(scores.shape, q.device))
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
     if is_causal:
         visible = causal_mask(seqlen_q, seqlen_k, q.device)
@@ -94,6 +102,12 @@ def attention_reference(
     out = torch.matmul(weights / safe_sum, v)
     lse = torch.where(sees_any, row_max + torch.log(safe_sum), torch.full_like(row_sum, -torch.inf))
     return out, lse.squeeze(-1)
+
+
+def _indices(shape, device) -> tuple:
+    """(b, h, q_idx, kv_idx) of scores of that [B, H, Sq, Sk] shape, each broadcasting along its dim."""
+    return tuple(torch.arange(size, device=device).reshape([-1 if d == dim else 1 for d in range(4)])
+                 for dim, size in enumerate(shape))  # fmt: skip
 
 
 def attention_naive(q, k, v, scaling=None, is_causal=True):

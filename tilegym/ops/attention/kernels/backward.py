@@ -23,6 +23,7 @@ from tilegym.ops.attention.kernels.modifiers import (
     alibi_shifted_lse,
     head_mods,
     lifts_padded_rows,
+    pre_cap_gradient,
     raw_gradient,
     scores,
     scores_log2,
@@ -77,6 +78,7 @@ from tilegym.ops.attention.kernels.user import (
     user_args,
     user_args_with_grads,
     user_functions,
+    user_score_gradient,
 )
 from tilegym.ops.attention.score_mods import BIAS_ONE_ROW, BIAS_PER_ROW
 from tilegym.ops.attention.variants import DKDV_KEY, DKDV_VALUE
@@ -269,12 +271,15 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
     acc_dtype = probs_t.dtype
     d_probs_t = head_dot(tile.v, d_out, ct.zeros((block_n, block_m), acc_dtype), tiling.value)  # [block_n, block_m]
     d_scores_t = probs_t * (d_probs_t - step.delta)  # [block_n, block_m]
+    # The bias's gradient is that of the scores it is added to: back through the caller's
+    # score_mod, applied after it, and not through the softcap, applied before (raw_gradient).
+    d_scores_t = user_score_gradient(d_scores_t, step.natural, step.scores, rows, tile.cols, scoring)
     if tile.bias_grad == BIAS_PER_ROW:
         d_bias = ct.transpose(d_scores_t).reshape((1, 1, block_m, block_n)).astype(tile.DBias.dtype)
         ct.store(tile.DBias, index=(b, q_head, q_tile, tile.kv_tile), tile=d_bias)
     elif tile.bias_grad == BIAS_ONE_ROW:
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)  # [block_n, 1]
-    d_scores_t = raw_gradient(d_scores_t, step.capped_tanh, step.natural, step.scores, rows, tile.cols, scoring)
+    d_scores_t = pre_cap_gradient(d_scores_t, step.capped_tanh, scoring.switches.capped)
     d_scores_t = d_scores_t.astype(q.main.dtype)
     if reload_q:
         # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
