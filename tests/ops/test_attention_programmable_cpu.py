@@ -2,6 +2,7 @@
 the checks, the block mask's lists, and every ready-made function compiled into the kernels
 for sm_90 (ahead of time)."""
 
+import inspect
 import subprocess
 import sys
 import tempfile
@@ -136,6 +137,17 @@ def test_check_aux():
         programmable.check_aux((torch.tensor(3),), q, "mask_aux")
     with pytest.raises(TypeError, match="bool tensor"):
         programmable.check_aux((torch.zeros(3, dtype=torch.bool),), q, "aux")
+
+
+def test_aux_read_wide():
+    """The backward's view of aux tensors where aux_grad runs: 16-bit floats as float32 copies
+    of the same values, other tensors as they are."""
+    half, brain, single, ids = (torch.randn(3, 5).to(dtype) for dtype in (torch.float16, torch.bfloat16,
+                                                                         torch.float32, torch.int32))  # fmt: skip
+    read = aux_gradients.read_wide((half, brain, single, ids))
+    assert [t.dtype for t in read] == [torch.float32, torch.float32, torch.float32, torch.int32]
+    assert torch.equal(read[0], half.float()) and torch.equal(read[1], brain.float())
+    assert read[2] is single and read[3] is ids
 
 
 def test_fixed_point_aux_sums():
@@ -310,11 +322,13 @@ def test_ready_made_functions_compile_into_every_kernel(name):
                 assert config.num_ctas == 2, "the first candidate is plain attention's clusters"
 
 
-def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch):
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch, table_dtype):
     """With a score function whose table takes a gradient, compile_backward_ahead starts the very
     kernels (the copies with the functions) and argument layouts the backward launches, the aux
     gradients' buffers included; and the launched dK/dV kernel writes into a buffer of the
-    table's shape, zeroed right before it."""
+    table's shape, zeroed right before it. Both read a 16-bit table as a float32 copy
+    (aux_gradients.read_wide)."""
     import collections
 
     from tests.ops.test_attention_cpu import _layout, _RecordingLauncher
@@ -326,7 +340,7 @@ def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch):
     monkeypatch.setattr(launch, "_compiled_ahead", collections.OrderedDict())
     _RecordingLauncher.launches, _RecordingLauncher.compiled_ahead = [], []
     q, k, v = (torch.randn(1, heads, 40, 64, dtype=torch.bfloat16) for heads in (4, 2, 2))
-    table = torch.randn(4, 17)
+    table = torch.randn(4, 17, dtype=table_dtype)
     relative = score_functions.relative_position_bias(table, 8)
     functions = programmable.user_functions(relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"])
     problem = problem_mod.AttentionProblem(1, 4, 2, 40, 40, 64, torch.bfloat16, 0.125, True, ScoreMods(user=functions))
@@ -340,7 +354,10 @@ def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch):
     for (name, kernel, grid, args, _), (_, made_kernel, made_grid, made_args, _) in zip(ahead, launched, strict=True):
         assert kernel is made_kernel and functions.fingerprint[:24] in kernel._pyfunc.__qualname__, name
         assert grid == made_grid and [_layout(a) for a in args] == [_layout(a) for a in made_args], name
-    assert gradients.d_aux[0].shape == table.shape and torch.equal(gradients.d_aux[0], torch.zeros_like(table))
+        aux = args[list(inspect.signature(kernel._pyfunc).parameters).index("Aux0")]
+        assert aux.dtype == torch.float32 and torch.equal(aux, table.float()), name
+    assert gradients.d_aux[0].shape == table.shape
+    assert torch.equal(gradients.d_aux[0], torch.zeros(table.shape))
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])

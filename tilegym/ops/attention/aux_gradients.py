@@ -37,6 +37,14 @@ def buffers(aux: tuple, dtype: torch.dtype, deterministic: bool) -> tuple:
     return tuple(torch.empty(t.shape, dtype=dtype, device=t.device) for t in aux)
 
 
+def read_wide(aux: tuple) -> tuple:
+    """aux as the backward's kernels read it where aux_grad runs: 16-bit float tensors as float32
+    copies, the same values. Where a score function reads a 16-bit aux tensor per score and
+    aux_grad adds per score, the compiler fails to schedule the dK/dV kernel's loop (cuda-tile
+    1.7, tileiras: "Invalid use-def chain in LoopSchedule")."""
+    return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in aux)
+
+
 def sums(buffer: torch.Tensor) -> torch.Tensor:
     """The gradient a buffer holds: itself, or its fixed-point sums as float32 (NaN where their
     magnitudes reached the limit)."""
