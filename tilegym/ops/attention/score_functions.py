@@ -13,6 +13,7 @@ inputs), b and h as int32 scalars, q_idx and kv_idx as int32 index tiles that br
 against the scores (their orientation differs between kernels: write elementwise code), and
 aux, the call's tensors as cuTile arrays (read with ct.gather). Numbers a function closes over
 are compile-time constants (a kernel per value): learnable or per-call values go in aux.
+Float literals reach the kernel rounded to fp32, beside fp64 scores too (_exact).
 
 aux_grad adds its shares with add_to_aux_grad (bitwise repeatable under
 torch.use_deterministic_algorithms); a score function of a few elementwise operations that reads
@@ -36,6 +37,7 @@ from functools import lru_cache
 import cuda.tile as ct
 import torch
 
+from tilegym.launching import split_float
 from tilegym.ops.attention import predefined
 from tilegym.ops.attention.aux_gradients import FIXED_SCALE, MAGNITUDE_LIMIT, MAGNITUDE_SCALE, SHARE_LIMIT
 
@@ -94,22 +96,35 @@ def _softcap_functions(cap: float, approximate: bool | None):
     # None compiles as True (the same kernels) where the call's inputs are 16-bit; lowering swaps
     # in the exact copy for wider inputs (predefined.lower).
     rounding = None if approximate is False else ct.RoundingMode.APPROX
-    score, grad = _specialized((_softcap_score, _softcap_grad), _CAP=cap, _INVERSE=1.0 / cap, _ROUNDING=rounding)
+    (cap_hi, cap_lo), (inverse_hi, inverse_lo) = split_float(cap), split_float(1.0 / cap)
+    score, grad = _specialized(
+        (_softcap_score, _softcap_grad), _CAP=cap_hi, _CAP_LO=cap_lo, _INVERSE=inverse_hi, _INVERSE_LO=inverse_lo,
+        _ROUNDING=rounding,
+    )  # fmt: skip
     exact = _softcap_functions(cap, False) if approximate is None else None
     return predefined.mark(elementwise(score), predefined.Softcap(cap, approximate, grad, exact)), grad
 
 
 # Constants of the templates below, set per copy (_specialized).
-_CAP = _INVERSE = _ROUNDING = _REACH = _WINDOW = _GLOBAL_TOKENS = _SHIFT = _LOW = _HIGH = None
+_CAP = _CAP_LO = _INVERSE = _INVERSE_LO = _ROUNDING = _REACH = _WINDOW = _GLOBAL_TOKENS = _SHIFT = _LOW = _HIGH = None
+
+
+def _exact(hi, lo, dtype):
+    """The number split into hi + lo (launching.split_float) in dtype: float literals reach the
+    kernel rounded to fp32, so float64 scores rebuild it from both (1 / cap is rarely an fp32)."""
+    if dtype == ct.float64:
+        return ct.full((1,), hi, ct.float64) + ct.full((1,), lo, ct.float64)
+    return hi
 
 
 def _softcap_score(score, b, h, q_idx, kv_idx, aux):
-    return _CAP * ct.tanh(score * _INVERSE, rounding_mode=_ROUNDING)
+    inverse = _exact(_INVERSE, _INVERSE_LO, score.dtype)
+    return _exact(_CAP, _CAP_LO, score.dtype) * ct.tanh(score * inverse, rounding_mode=_ROUNDING)
 
 
 def _softcap_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
     # d/ds cap tanh(s / cap) = 1 - tanh^2, read from the output: no second tanh.
-    capped = out * _INVERSE
+    capped = out * _exact(_INVERSE, _INVERSE_LO, out.dtype)
     return grad * (1.0 - capped * capped)
 
 
