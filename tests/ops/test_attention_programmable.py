@@ -519,9 +519,10 @@ def test_op_predefined_functions_are_the_builtin_modifiers(name, causal, dtype):
     assert_close_to_reference("out", results[0][0], baseline, reference, dtype)
 
 
-def _softcap_4_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
-    """d/ds 4 tanh(s / 4), written by a caller: keeps score_functions.softcap(4.0) a function."""
-    capped = out * 0.25
+def _softcap_30_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
+    """d/ds 30 tanh(s / 30), written by a caller: keeps score_functions.softcap(30.0) a function.
+    Divides by 30 (an fp32): 1 / 30 as a literal would reach the kernel rounded to fp32."""
+    capped = out / 30.0
     return grad * (1.0 - capped * capped)
 
 
@@ -530,14 +531,16 @@ def test_op_default_softcap_takes_the_exact_tanh_on_wide_inputs(dtype):
     """score_functions.softcap(cap) left to pick its tanh, on 32/64-bit inputs: alone it runs
     softcap= (the same bits); kept a function (a gradient of the caller's) it runs the exact tanh,
     within the dtype's tolerance of the float64 reference (the hardware tanh, 2^-11, misses
-    float32's by far and has no float64 form)."""
+    float32's by far and has no float64 form). A cap of 30: 1 / 30 is no fp32, so float64 runs
+    on both halves of the split constants."""
     case = Case("small", 2, 4, 2, 45, 61, 64)
     q, k, v = make_inputs(case, dtype, requires_grad=True)
+    q = (q * 8).detach().requires_grad_()  # scores of the cap's size: its tanh bends them
     d_out = torch.randn_like(q)
-    ref_out, _, ref_grads = reference_run(q, k, v, d_out, True, {"softcap": 4.0}, torch.float64)
-    base_out, _, base_grads = reference_run(q, k, v, d_out, True, {"softcap": 4.0}, dtype)
+    ref_out, _, ref_grads = reference_run(q, k, v, d_out, True, {"softcap": 30.0}, torch.float64)
+    base_out, _, base_grads = reference_run(q, k, v, d_out, True, {"softcap": 30.0}, dtype)
     results = []
-    for kwargs in ({"softcap": 4.0}, sf.softcap(4.0), {**sf.softcap(4.0), "score_mod_grad": _softcap_4_grad}):
+    for kwargs in ({"softcap": 30.0}, sf.softcap(30.0), {**sf.softcap(30.0), "score_mod_grad": _softcap_30_grad}):
         _poison_allocator()
         out = tile_fmha_with_backward(q, k, v, is_causal=True, **kwargs)
         grads = torch.autograd.grad(out, [q, k, v], d_out)
@@ -547,6 +550,100 @@ def test_op_default_softcap_takes_the_exact_tanh_on_wide_inputs(dtype):
         results.append((out, *grads))
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _three_quarters(score, b, h, q_idx, kv_idx, aux):
+    return score * 0.75
+
+
+def _three_quarters_grad(grad, score, out, b, h, q_idx, kv_idx, aux):
+    return grad * 0.75
+
+
+def _functions_after_a_bias(name, case):
+    """(is_causal, our functions and keyword arguments besides attn_bias, their meaning as
+    attention_reference's score_mod and keyword arguments)."""
+    if name == "score-function":
+        return (
+            False,
+            {"score_mod": _three_quarters, "score_mod_grad": _three_quarters_grad},
+            (lambda s, b, h, i, j: s * 0.75),
+            {},
+        )
+    if name == "two-softcaps":
+        # softcap= comes before the bias, the function after it: only the function's tanh lies
+        # between the bias and the scores.
+        return (
+            True,
+            {**sf.softcap(5.0, False), "softcap": 30.0},
+            (lambda s, b, h, i, j: 5.0 * torch.tanh(s / 5.0)),
+            {"softcap": 30.0},
+        )
+    # A block mask whose empty tiles the kernels skip: the bias's gradient is 0 there.
+    prefix = torch.tensor([37, 150], dtype=torch.int32, device="cuda")
+    functions = sf.prefix_lm(prefix)
+    mask = create_block_mask(functions["mask_mod"], case.batch, None, case.seqlen_q, case.seqlen_k,
+                             mask_aux=functions["mask_aux"])  # fmt: skip
+
+    def hidden(s, b, h, i, j):
+        return s.masked_fill(~((j < prefix.long()[b]) | (j <= i)), -math.inf)
+
+    return False, {"block_mask": mask}, hidden, {}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias_shape", ["full", "keys"])
+@pytest.mark.parametrize("name", ["score-function", "two-softcaps", "block-mask"])
+def test_op_bias_gradient_with_caller_functions(name, bias_shape, dtype):
+    """A learnable attn_bias beside the caller's functions: its gradient is that of the scores
+    it is added to, back through a score function applied after it but not through softcap=,
+    applied before; and 0 on the tiles a block mask skips. Sq != Sk, GQA."""
+    case = Case("bias-behind", 2, 4, 2, 197, 261, 64)
+    causal, ours, meaning, keywords = _functions_after_a_bias(name, case)
+    shape = (
+        (case.batch, case.q_heads, case.seqlen_q, case.seqlen_k)
+        if bias_shape == "full"
+        else (case.batch, 1, 1, case.seqlen_k)
+    )
+    bias = torch.randn(shape, device="cuda", dtype=dtype).requires_grad_()
+    q, k, v = make_inputs(case, dtype, requires_grad=True)
+    d_out = torch.randn_like(q)
+    _poison_allocator()
+    out = tile_fmha_with_backward(q, k, v, is_causal=causal, attn_bias=bias, **ours)
+    grads = torch.autograd.grad(out, [q, k, v, bias], d_out)
+    results = {}
+    for compute_dtype in (torch.float64, dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v, bias)]
+        ref_out, _ = attention_reference(*leaves[:3], is_causal=causal, compute_dtype=compute_dtype,
+                                         attn_bias=leaves[3], score_mod=meaning, **keywords)  # fmt: skip
+        results[compute_dtype] = (ref_out, *torch.autograd.grad(ref_out, leaves, d_out.to(compute_dtype)))
+    for label, got, base, ref in zip(("out", "dq", "dk", "dv", "d_bias"), (out, *grads), results[dtype],
+                                     results[torch.float64], strict=True):  # fmt: skip
+        assert_close_to_reference(label, got, base.to(got.dtype), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_op_sixteen_bit_aux_with_its_gradient(dtype):
+    """A learnable bias in the inputs' 16-bit dtype, run as a function (inlined) after softcap=:
+    its aux gradient and every other against the reference. The backward reads such a tensor as
+    a float32 copy (aux_gradients.read_wide), where the 16-bit one did not compile."""
+    case = Case("aux16", 1, 4, 2, 150, 97, 64)
+    bias = torch.randn(1, case.q_heads, case.seqlen_q, case.seqlen_k, device="cuda", dtype=dtype).requires_grad_()
+    q, k, v = make_inputs(case, dtype, requires_grad=True)
+    d_out = torch.randn_like(q)
+    _poison_allocator()
+    out = tile_fmha_with_backward(q, k, v, is_causal=True, softcap=30.0, **sf.inlined(sf.additive_bias(bias)))
+    grads = torch.autograd.grad(out, [q, k, v, bias], d_out)
+    assert grads[3].dtype == dtype
+    results = {}
+    for compute_dtype in (torch.float64, dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v, bias)]
+        ref_out, _ = attention_reference(*leaves[:3], is_causal=True, compute_dtype=compute_dtype, softcap=30.0,
+                                         attn_bias=leaves[3])  # fmt: skip
+        results[compute_dtype] = (ref_out, *torch.autograd.grad(ref_out, leaves, d_out.to(compute_dtype)))
+    for label, got, base, ref in zip(("out", "dq", "dk", "dv", "d_bias"), (out, *grads), results[dtype],
+                                     results[torch.float64], strict=True):  # fmt: skip
+        assert_close_to_reference(label, got, base, ref, dtype)
 
 
 def test_op_attention_programmable_gradcheck():

@@ -996,6 +996,48 @@ def test_op_varlen_masks(name, head_dim, form):
     check(batch, causal, lse_grad=True, functions=mask, per_sequence=hidden)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_op_varlen_aux_gradient_with_a_mask(dtype):
+    """A learned relative-position table beside a mask: the table's gradient sums only the pairs
+    each sequence's mask shows. (A mask that hides whole key tiles from every query, as the
+    prefix-LM one here does, hangs the backward with an aux gradient: docs/attention.md.)"""
+    causal, build = MASKS["window-globals-causal"]
+    batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2, 64, dtype, spare_q=5, spare_k=3)
+    mask, visible = build(batch.sequences)
+    table, functions, relative = _learned_relative(4)
+
+    def meaning(sequence, seqlen_q, seqlen_k, ref):
+        seen = visible(sequence, seqlen_q, seqlen_k)
+        bias = relative(sequence, seqlen_q, seqlen_k, ref)["attn_bias"]
+        return {"attn_bias": bias.masked_fill(~seen, -math.inf)}
+
+    check(batch, causal, lse_grad=True, functions={**functions, **mask}, per_sequence=meaning, learnable=[table])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_op_varlen_aux_gradient_with_a_mask_refused_on_wide_dtypes(dtype):
+    """The same call on float32/float64 inputs, whose backward kernel does not compile, is refused
+    before anything runs; without the gradient, or without the mask, it runs."""
+    batch = pack([40, 7, 0, 33], None, 4, 2, 64, dtype)
+    mask, _ = _prefix_lm(batch.sequences)
+    table, functions, _ = _learned_relative(4)
+    cu_q, cu_k, max_q, max_k = batch.lengths
+    q, k, v = (t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v))
+
+    def call(**more):
+        return tile_fmha_functional(q, k, v, is_causal=False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                    max_seqlen_q=max_q, max_seqlen_k=max_k, **functions, **more)  # fmt: skip
+
+    with pytest.raises(ValueError, match="cannot take an aux gradient"):
+        call(**mask)
+    call().sum().backward()
+    with torch.no_grad():
+        call(**mask)
+    table.requires_grad_(False)
+    call(**mask).sum().backward()
+    torch.cuda.synchronize()
+
+
 # ---- the fused backward ------------------------------------------------------------------------
 
 # "auto" takes it from 2048 keys (dispatch.fused_backward); forced here on short batches. Each
