@@ -154,6 +154,35 @@ def _relative_in_documents(case, dtype):
     return {**ours, **doc_ours}, {"attn_bias": lambda table: bias(table) + hide(None)}, learnable
 
 
+def _relative_prefix_lm(case, dtype):
+    ours, ref, learnable = _relative(case, dtype)
+    mask_ours, mask_ref, _ = _prefix_lm(case, dtype)
+    bias, hide = ref["attn_bias"], mask_ref["attn_bias"]
+    return {**ours, **mask_ours}, {"attn_bias": lambda table: bias(table) + hide(None)}, learnable
+
+
+def _relative_in_a_window(case, dtype):
+    ours, ref, learnable = _relative(case, dtype)
+    return {**ours, "window_size": (5, 0)}, {**ref, "window_size": (5, 0)}, learnable
+
+
+def _head_tilt_score(score, b, h, q_idx, kv_idx, aux):
+    return score + ct.astype(ct.gather(aux[0], (h,)), score.dtype)
+
+
+def _head_tilt_grad(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    sf.add_to_aux_grad(aux_grads, 0, (h,), ct.sum(grad))
+
+
+def _learned_head_tilt_in_a_window(case, dtype):
+    """A learned bias per head (one sum per tile and head for its gradient), in a window."""
+    tilt = torch.randn(case.q_heads, device="cuda", dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    tilt.requires_grad_()
+    ours = {"score_mod": _head_tilt_score, "score_mod_grad": sf.additive_grad, "aux": (tilt,),
+            "aux_grad": _head_tilt_grad, "window_size": (5, 0)}  # fmt: skip
+    return ours, {"attn_bias": lambda table: table[None, :, None, None], "window_size": (5, 0)}, [tilt]
+
+
 # name -> (case, causal, builder)
 CASES = {
     "softcap": (ODD_LENGTHS, False, _softcap),
@@ -269,6 +298,62 @@ def test_op_attention_elementwise_functions_fused_backward(name, monkeypatch, fo
     force_config(configs.BACKWARD_FUSED, config)
     check_case(case, dtype, causal, build)
     assert ran_with(configs.BACKWARD_FUSED, config)
+
+
+# An aux gradient where a mask or window leaves whole key tiles seen by no query: their dK/dV
+# programs return at once (they hung with the aux gradient's adds in the kernel). 64x128 tiles
+# (D=64) and D=128's, GQA, Sq < Sk, a table read per score and one sum per tile and head.
+# (An aux gradient keeps two kernels: dispatch.fused_backward.)
+UNSEEN_KEY_CASES = {
+    "prefix-lm": (Case("prefix-sq-lt-sk", 2, 4, 2, 77, 300, 64), False, _relative_prefix_lm),
+    "prefix-lm-d128": (Case("prefix-sq-lt-sk", 2, 4, 2, 77, 300, 128), False, _relative_prefix_lm),
+    "window-few-queries": (Case("window-sq-lt-sk", 1, 4, 2, 10, 600, 64), True, _relative_in_a_window),
+    "window-few-queries-d128": (Case("window-sq-lt-sk", 2, 2, 1, 10, 600, 128), True, _relative_in_a_window),
+    "window-head-tilt-d128": (Case("window-sq-lt-sk", 1, 4, 4, 10, 600, 128), True, _learned_head_tilt_in_a_window),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSEEN_KEY_CASES))
+def test_op_attention_aux_gradient_with_unseen_key_tiles(name):
+    case, causal, build = UNSEEN_KEY_CASES[name]
+    check_case(case, torch.bfloat16, causal, build)
+
+
+def test_op_attention_aux_and_one_row_bias_gradients_with_unseen_key_tiles():
+    """A learned bias per key ([B, 1, 1, Sk], one row) beside a learned relative table, in a window
+    that hides key tiles from every query: their programs return early and write the bias
+    gradient's zeros there too (its buffer starts uninitialized)."""
+    case = Case("window-sq-lt-sk", 2, 4, 2, 10, 600, 64)
+    q, k, v = make_inputs(case, torch.bfloat16)
+    table = (torch.randn(case.q_heads, 33, device="cuda") * 0.5).requires_grad_()
+    bias = torch.randn(case.batch, 1, 1, case.seqlen_k, device="cuda").requires_grad_()
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    d_out = torch.randn_like(q)
+    _poison_allocator()
+    out = tile_fmha_with_backward(
+        *leaves, is_causal=True, window_size=(5, 0), attn_bias=bias, **sf.relative_position_bias(table, 16)
+    )
+    grads = torch.autograd.grad(out, leaves + [table, bias], d_out)
+
+    def reference(dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, table, bias)]
+        table_ref = inputs[3]
+
+        def relative(scores, b, h, q_idx, kv_idx):
+            return scores + table_ref[h, (kv_idx - q_idx).clamp(-16, 16) + 16]
+
+        ref_out, _ = attention_reference(*inputs[:3], is_causal=True, compute_dtype=dtype, window_size=(5, 0),
+                                         attn_bias=inputs[4], score_mod=relative)  # fmt: skip
+        return ref_out, torch.autograd.grad(ref_out, inputs, d_out.to(dtype))
+
+    ref_out, ref_grads = reference(torch.float64)
+    base_out, base_grads = reference(torch.bfloat16)
+    assert_close_to_reference("out", out, base_out, ref_out, torch.bfloat16)
+    for name, ours, base, ref in zip(
+        ["dq", "dk", "dv", "d_table", "d_bias"], grads, base_grads, ref_grads, strict=True
+    ):
+        assert_close_to_reference(name, ours, base, ref, torch.bfloat16)
+    assert torch.all(grads[4][..., :585] == 0), "keys no query sees get a zero bias gradient"
 
 
 def _far_keys_score(score, b, h, q_idx, kv_idx, aux):

@@ -997,11 +997,12 @@ def test_op_varlen_masks(name, head_dim, form):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_op_varlen_aux_gradient_with_a_mask(dtype):
+@pytest.mark.parametrize("name", list(MASKS))
+def test_op_varlen_aux_gradient_with_a_mask(name, dtype):
     """A learned relative-position table beside a mask: the table's gradient sums only the pairs
-    each sequence's mask shows. (A mask that hides whole key tiles from every query, as the
-    prefix-LM one here does, hangs the backward with an aux gradient: docs/attention.md.)"""
-    causal, build = MASKS["window-globals-causal"]
+    each sequence's mask shows. The prefix-LM mask hides whole key tiles from every query, whose
+    programs return at once (their gradients zeros)."""
+    causal, build = MASKS[name]
     batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2, 64, dtype, spare_q=5, spare_k=3)
     mask, visible = build(batch.sequences)
     table, functions, relative = _learned_relative(4)

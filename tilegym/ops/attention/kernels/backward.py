@@ -476,6 +476,26 @@ def attention_backward_dkdv_kernel(
     bulk_store = bulk_dkdv_stores(varlen, sum_dq, tiling)
     sums_dv = part != DKDV_KEY
     sums_dk = part != DKDV_VALUE
+    if switches.user.aux_grad is not None:
+        # A program whose query loops had no step hung when the kernel held an aux gradient's
+        # atomic adds (a window or mask leaving key tiles unseen; perf-notes#unseen-key-tiles).
+        # Such a tile returns at once, its gradients zeros.
+        mods = head_mods(
+            Bias, Slopes, seq, first_q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi
+        )
+        first_scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, 0)
+        if _seen_by_no_query(kv_tile, first_q_head, members, seq, first_scoring, MaskCounts, MaskTiles, block_sparse):
+            nothing = ct.zeros((1, 1), acc_dtype)
+            d_key_zeros = head_zeros(block_n, tiling.qk, acc_dtype) if sums_dk else nothing
+            d_value_zeros = head_zeros(block_n, tiling.value, acc_dtype) if sums_dv else nothing
+            _store_key_gradients(
+                dK, dV, b, kv_head, kv_tile, d_key_zeros, d_value_zeros, tiling, sum_dkdv, sums_dk, sums_dv, bulk_store
+            )
+            if sums_dk and bias_grad == BIAS_ONE_ROW:
+                for group_member in range(members):
+                    d_bias = ct.zeros((1, 1, 1, block_n), DBias.dtype)
+                    ct.store(DBias, index=(b, first_q_head + group_member, 0, kv_tile), tile=d_bias)
+            return
     k = load_head(K, b, kv_head, kv_tile, block_n, tiling.qk)  # [block_n, D]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[:, None]  # [block_n, 1]
     # Placeholders where a part is not summed.
@@ -519,6 +539,17 @@ def attention_backward_dkdv_kernel(
 
     if sums_dk:
         d_key = head_scaled(d_key, softmax_scale, tiling.qk)
+    _store_key_gradients(dK, dV, b, kv_head, kv_tile, d_key, d_value, tiling, sum_dkdv, sums_dk, sums_dv, bulk_store)
+
+
+@ct.function
+def _store_key_gradients(
+    dK, dV, b, kv_head, kv_tile, d_key, d_value, tiling, sum_dkdv: ConstBool, sums_dk, sums_dv, bulk_store
+):
+    """Writes a key tile's dK and dV (those its program sums), or adds them into the fp32 sums
+    of the fused grouped-query backward (sum_dkdv)."""
+    block_n = tiling.block_n
+    if sums_dk:
         if sum_dkdv:
             add_head(dK, b, kv_head, kv_tile, d_key, block_n, tiling.qk)
         else:
@@ -528,6 +559,22 @@ def attention_backward_dkdv_kernel(
             add_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value)
         else:
             store_head(dV, b, kv_head, kv_tile, d_value, block_n, tiling.value, bulk_store)
+
+
+@ct.function
+def _seen_by_no_query(kv_tile, first_q_head, members, seq, scoring, MaskCounts, MaskTiles, block_sparse: ConstBool):
+    """Whether no query tile of any of the program's query heads sees the key tile."""
+    if block_sparse:
+        steps = 0
+        for group_member in range(members):
+            lists = tile_lists(MaskCounts, MaskTiles, seq, first_q_head + group_member)
+            partial = ct.gather(lists.counts, (lists.b, lists.h, kv_tile, 0))
+            full = ct.gather(lists.counts, (lists.b, lists.h, kv_tile, 1))
+            steps = steps + partial + full
+    else:
+        segments = query_segments(kv_tile, scoring)
+        steps = segments.end - segments.start
+    return steps == 0
 
 
 @ct.function
