@@ -14,7 +14,8 @@ import torch
 
 from tests.ops import sass
 from tilegym import autotune
-from tilegym.ops.attention import aux_gradients, block_mask, configs, programmable, score_functions
+from tilegym.ops.attention import aux_gradients, block_mask, caller_functions, configs, programmable, score_functions
+from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ScoreMods
 from tilegym.ops.attention.variants import (
     BACKWARD_DKDV,
@@ -378,3 +379,20 @@ def test_ready_made_masks_compile_into_the_sorting_kernel(name, varlen):
     signature = KernelSignature(parameters, CallingConvention.cutile_python_v2()).with_mangled_symbol("sort_tiles")
     with tempfile.TemporaryDirectory() as workdir:
         export_kernel(kernel, [signature], str(Path(workdir) / "k.cubin"), gpu_code="sm_90", output_format="cubin")
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_backward_refused_for_float16_wide_heads_with_softcap_beside_a_function(head_dim):
+    """The known wrong dQ (float16, head dim above 128, softcap= and a score function) is refused;
+    bfloat16, head dim 128, softcap alone (also the ready-made one) and the function alone are not."""
+    bias = score_functions.additive_bias(torch.zeros(1, 1, 1, 1))
+    function = programmable.user_functions(bias["score_mod"], bias["score_mod_grad"])
+
+    def problem(dtype=torch.float16, dim=head_dim, softcap=5.0, user=function):
+        mods = ScoreMods(softcap=softcap, user=user)
+        return AttentionProblem(1, 2, 2, 100, 100, dim, dtype, 0.1, True, mods)
+
+    with pytest.raises(ValueError, match=f"float16 inputs with head dim {head_dim} cannot take softcap="):
+        caller_functions.check_backward_runs(problem())
+    for runs in (problem(dtype=torch.bfloat16), problem(dim=128), problem(user=None), problem(softcap=0.0)):
+        caller_functions.check_backward_runs(runs)

@@ -21,7 +21,16 @@ from tilegym.launching import (
     parameter_names,
     split_arguments,
 )
-from tilegym.ops.attention import aux_gradients, configs, dispatch, packing, prepared, programmable, score_mods
+from tilegym.ops.attention import (
+    aux_gradients,
+    caller_functions,
+    configs,
+    dispatch,
+    packing,
+    prepared,
+    programmable,
+    score_mods,
+)
 from tilegym.ops.attention.block_mask import BlockMask, MaskRule
 from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
@@ -740,6 +749,7 @@ def _backward_steps(
 ):
     """The backward's launches, in order, and its workspaces (where they write dQ, dK and dV)."""
     problem = launcher.problem
+    caller_functions.check_backward_runs(problem)
     if d_aux is not None:
         mod_tensors = dataclasses.replace(mod_tensors, aux=aux_gradients.read_wide(mod_tensors.aux))
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
