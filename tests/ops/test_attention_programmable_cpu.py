@@ -323,6 +323,37 @@ def test_ready_made_functions_compile_into_every_kernel(name):
                 assert config.num_ctas == 2, "the first candidate is plain attention's clusters"
 
 
+@pytest.mark.parametrize(
+    ("switches", "causal", "masked"),
+    [({"windowed": True}, True, False), ({"block_sparse": True}, False, True),
+     ({"block_sparse": True, "varlen": True}, False, True)],
+    ids=["window", "block-mask", "packed-block-mask"],
+)  # fmt: skip
+def test_aux_gradient_dkdv_compiles_where_key_tiles_go_unseen(switches, causal, masked):
+    """The dK/dV kernel with a learned relative table compiles for sm_90 (bf16, D=64, its first
+    config) beside a window or a block mask, dense and packed: the forms whose programs check
+    whether any query sees their key tile and return early (kernels/backward._seen_by_no_query)."""
+    if sass.cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    from cuda.tile.compilation import export_kernel
+
+    relative = score_functions.relative_position_bias(torch.zeros(4, 33), 16)
+    mask_mod = score_functions.prefix_lm(torch.zeros(1, dtype=torch.int32))["mask_mod"] if masked else None
+    functions = programmable.user_functions(
+        relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"], mask_mod
+    )  # fmt: skip
+    config = configs.candidates(
+        BACKWARD_DKDV, "sm_90", 64, 2, configs.score_tables(ScoreMods(user=functions).switches)
+    )[0]
+    kernel = autotune.with_hints(programmable.user_kernel(VARIANTS[BACKWARD_DKDV].kernel, functions), config)
+    arrays = {"Aux0": (ct.float32, 2), "AuxGrad0": (ct.float32, 2), **({"MaskAux0": (ct.int32, 1)} if masked else {})}
+    signature = sass.signature(BACKWARD_DKDV, ct.bfloat16, 64, config, causal, switches, arrays=arrays)
+    with tempfile.TemporaryDirectory() as workdir:
+        path = Path(workdir) / "dkdv.cubin"
+        export_kernel(kernel, [signature], str(path), gpu_code="sm_90", output_format="cubin")
+        assert "HGMMA" in sass.disassemble(path)
+
+
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch, table_dtype):
     """With a score function whose table takes a gradient, compile_backward_ahead starts the very
