@@ -101,8 +101,8 @@ def check_backward_runs(problem) -> None:
     """Refuses a backward the kernels get wrong: float16 inputs with a head dim above 128 and
     softcap= beside a score function, whose dQ came out wrong (dQ RMS error 0.03-0.06 against the
     float16 reference's 2e-4; out, dK and dV right) on a packed batch at D=192 with a window,
-    with or without a mask, causal or not; bfloat16, D=128, or the same call without softcap= or without
-    the function were right. The cause is not found (open defect, docs/attention.md), so such a
+    with or without a mask, causal or not; bfloat16, D=128, or the same call without softcap= or
+    without the function were right. The cause is not found (open defect, docs/attention.md), so such a
     differentiable call is refused before it runs (and its backward, for calls that reach it
     under torch.compile)."""
     user = problem.mods.user
