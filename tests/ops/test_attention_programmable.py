@@ -202,6 +202,18 @@ CASES = {
     "additive-bias-broadcast-causal": (SQ_GT_SK, True, _head_and_key_bias),
     "sliding-window": (Case("sq-lt-sk", 2, 4, 2, 100, 300, 64), False, _sliding_window),
     "sliding-window-causal": (ODD_LENGTHS, True, _sliding_window),
+    # An aux gradient where a mask or window leaves whole key tiles seen by no query: their dK/dV
+    # programs return at once (they hung with the aux gradient's adds in the kernel). 64x128
+    # tiles (D=64) and D=128's, GQA, Sq < Sk, a table read per score and one sum per tile and head.
+    "relative-prefix-lm-unseen-keys": (Case("prefix-sq-lt-sk", 2, 4, 2, 77, 300, 64), False, _relative_prefix_lm),
+    "relative-prefix-lm-unseen-keys-d128": (Case("prefix-sq-lt-sk", 2, 4, 2, 77, 300, 128), False, _relative_prefix_lm),
+    "relative-window-unseen-keys": (Case("window-sq-lt-sk", 1, 4, 2, 10, 600, 64), True, _relative_in_a_window),
+    "relative-window-unseen-keys-d128": (Case("window-sq-lt-sk", 2, 2, 1, 10, 600, 128), True, _relative_in_a_window),
+    "head-tilt-window-unseen-keys-d128": (
+        Case("window-sq-lt-sk", 1, 4, 4, 10, 600, 128),
+        True,
+        _learned_head_tilt_in_a_window,
+    ),
 }
 
 
@@ -298,25 +310,6 @@ def test_op_attention_elementwise_functions_fused_backward(name, monkeypatch, fo
     force_config(configs.BACKWARD_FUSED, config)
     check_case(case, dtype, causal, build)
     assert ran_with(configs.BACKWARD_FUSED, config)
-
-
-# An aux gradient where a mask or window leaves whole key tiles seen by no query: their dK/dV
-# programs return at once (they hung with the aux gradient's adds in the kernel). 64x128 tiles
-# (D=64) and D=128's, GQA, Sq < Sk, a table read per score and one sum per tile and head.
-# (An aux gradient keeps two kernels: dispatch.fused_backward.)
-UNSEEN_KEY_CASES = {
-    "prefix-lm": (Case("prefix-sq-lt-sk", 2, 4, 2, 77, 300, 64), False, _relative_prefix_lm),
-    "prefix-lm-d128": (Case("prefix-sq-lt-sk", 2, 4, 2, 77, 300, 128), False, _relative_prefix_lm),
-    "window-few-queries": (Case("window-sq-lt-sk", 1, 4, 2, 10, 600, 64), True, _relative_in_a_window),
-    "window-few-queries-d128": (Case("window-sq-lt-sk", 2, 2, 1, 10, 600, 128), True, _relative_in_a_window),
-    "window-head-tilt-d128": (Case("window-sq-lt-sk", 1, 4, 4, 10, 600, 128), True, _learned_head_tilt_in_a_window),
-}
-
-
-@pytest.mark.parametrize("name", list(UNSEEN_KEY_CASES))
-def test_op_attention_aux_gradient_with_unseen_key_tiles(name):
-    case, causal, build = UNSEEN_KEY_CASES[name]
-    check_case(case, torch.bfloat16, causal, build)
 
 
 def test_op_attention_aux_and_one_row_bias_gradients_with_unseen_key_tiles():
