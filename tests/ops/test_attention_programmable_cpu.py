@@ -14,7 +14,14 @@ import torch
 
 from tests.ops import sass
 from tilegym import autotune
-from tilegym.ops.attention import aux_gradients, block_mask, caller_functions, configs, programmable, score_functions
+from tilegym.ops.attention import (
+    aux_gradients,
+    block_mask,
+    configs,
+    launch,
+    programmable,
+    score_functions,
+)
 from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ScoreMods
 from tilegym.ops.attention.variants import (
@@ -412,18 +419,41 @@ def test_ready_made_masks_compile_into_the_sorting_kernel(name, varlen):
         export_kernel(kernel, [signature], str(Path(workdir) / "k.cubin"), gpu_code="sm_90", output_format="cubin")
 
 
-@pytest.mark.parametrize("head_dim", [192, 256])
-def test_backward_refused_for_float16_wide_heads_with_softcap_beside_a_function(head_dim):
-    """The known wrong dQ (float16, head dim above 128, softcap= and a score function) is refused;
-    bfloat16, head dim 128, softcap alone (also the ready-made one) and the function alone are not."""
+class _Tables:
+    """Stands in for launch._Launcher where only its candidates are asked."""
+
+    arch = "sm_90"
+    candidates = launch._Launcher.candidates
+
+    def __init__(self, problem):
+        self.problem = problem
+
+
+def test_faulty_dq_config_left_out_of_its_calls_only():
+    """float16 at D=192 with softcap= beside a score function never tries the dQ config seen to
+    compute wrong gradients there (configs.FAULTY_CONFIGS); the table's other configs stay, and
+    bfloat16, D=256, softcap alone and the function alone keep the whole table, in its order."""
     bias = score_functions.additive_bias(torch.zeros(1, 1, 1, 1))
     function = programmable.user_functions(bias["score_mod"], bias["score_mod_grad"])
+    (faulty,) = configs.FAULTY_CONFIGS
 
-    def problem(dtype=torch.float16, dim=head_dim, softcap=5.0, user=function):
-        mods = ScoreMods(softcap=softcap, user=user)
-        return AttentionProblem(1, 2, 2, 100, 100, dim, dtype, 0.1, True, mods)
+    def candidates(dtype=torch.float16, dim=192, softcap=5.0, user=function):
+        mods = ScoreMods(softcap=softcap, user=user, window=(300, 0))
+        problem = AttentionProblem(1, 2, 2, 100, 100, dim, dtype, 0.1, True, mods)
+        table = configs.candidates(BACKWARD_DQ, "sm_90", dim, 2, configs.score_tables(mods.switches))
+        return _Tables(problem).candidates(BACKWARD_DQ), table
 
-    with pytest.raises(ValueError, match=f"float16 inputs with head dim {head_dim} cannot take softcap="):
-        caller_functions.check_backward_runs(problem())
-    for runs in (problem(dtype=torch.bfloat16), problem(dim=128), problem(user=None), problem(softcap=0.0)):
-        caller_functions.check_backward_runs(runs)
+    chosen, table = candidates()
+    assert faulty.config in table and faulty.config not in chosen
+    assert chosen == tuple(config for config in table if config != faulty.config) and chosen
+    for kept in (candidates(torch.bfloat16), candidates(dim=256), candidates(user=None), candidates(softcap=0.0)):
+        assert kept[0] == kept[1]
+
+
+def test_faulty_configs_name_configs_of_their_tables():
+    """Each FAULTY_CONFIGS entry leaves out a config its kernel's table holds for those switches,
+    and leaves that table at least one other."""
+    for entry in configs.FAULTY_CONFIGS:
+        table = configs.candidates(entry.kernel, "sm_90", entry.head_dim, 2, configs.score_tables(entry.switches))
+        kept = configs.without_faulty(table, entry.kernel, entry.dtype, entry.head_dim, entry.switches)
+        assert entry.config in table and entry.config not in kept and kept, entry

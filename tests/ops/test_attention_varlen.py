@@ -830,6 +830,36 @@ def test_op_varlen_score_function_fixed_max_forward(name, causal, force_config):
     assert ran_with(configs.FORWARD_LSE_FIXED_MAX, config)
 
 
+_D192_SOFTCAP_FUNCTION = frozenset({"capped", "windowed", "functions"})
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, *configs.without_faulty(
+        configs.candidates(configs.BACKWARD_DQ, "sm_90", 192, 2, configs.score_tables(_D192_SOFTCAP_FUNCTION)),
+        configs.BACKWARD_DQ, "float16", 192, _D192_SOFTCAP_FUNCTION,
+    )],
+    ids=lambda config: "tuned" if config is None else f"{config.block_m}x{config.block_n}-w{config.num_worker_warps}",
+)  # fmt: skip
+def test_op_varlen_float16_d192_softcap_beside_a_bias_function(config, force_config):
+    """float16 at D=192 with softcap= beside a score function: the dQ config that computed wrong
+    gradients there (configs.FAULTY_CONFIGS) is never tried; the tuned call (config None) and
+    each config it may take, forced, are right. The batch: two sequences, Lq != Lk, a frozen
+    float16 bias function, causal in a window."""
+    q_heads, lengths_q, lengths_k = 2, [127, 256], [129, 76]
+    batch = pack(lengths_q, lengths_k, q_heads, 1, 192, torch.float16, spare_q=3, spare_k=5)
+    bias = torch.randn(batch.sequences, q_heads, max(lengths_q), max(lengths_k), device=DEVICE, dtype=torch.float16)
+
+    def per_sequence(s, seqlen_q, seqlen_k):
+        return {"score_mod": lambda scores, b, h, q_idx, kv_idx: scores + bias[s, h, q_idx, kv_idx].to(scores.dtype)}
+
+    if config is not None:
+        force_config(configs.BACKWARD_DQ, config)
+    builtins = {"softcap": 5.0, "window_size": (300, -1)}
+    check(batch, True, builtins, functions=sf.additive_bias(bias), per_sequence=per_sequence)
+    assert config is None or ran_with(configs.BACKWARD_DQ, config)
+
+
 def test_op_varlen_score_function_sees_the_sequence():
     """b is the sequence and positions count within it: a function of b and kv_idx alone, against
     its meaning as a per-sequence bias."""

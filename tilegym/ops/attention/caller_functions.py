@@ -79,8 +79,6 @@ class CallerFunctions:
         check_training(self.score_mod, self.score_mod_grad, self.aux_grad, training, requires_grad)
         mods = dataclasses.replace(problem.mods, user=functions)
         problem = dataclasses.replace(problem, mods=mods)
-        if training:
-            check_backward_runs(problem)
         return problem, dataclasses.replace(mod_tensors, aux=aux, block_mask=mask)
 
 
@@ -94,24 +92,6 @@ def _check_packed_masked_aux_grad(q) -> None:
             f"a packed batch of {q.dtype} inputs cannot take an aux gradient (aux_grad) beside a mask_mod or "
             "block_mask: its backward kernel does not compile with this cuda-tile; use float16/bfloat16 inputs, "
             "a dense batch, or an aux that does not require grad"
-        )
-
-
-def check_backward_runs(problem) -> None:
-    """Refuses a backward the kernels get wrong: float16 inputs with a head dim above 128 and
-    softcap= beside a score function, whose dQ came out wrong (dQ RMS error 0.03-0.06 against the
-    float16 reference's 2e-4; out, dK and dV right) on a packed batch at D=192 with a window,
-    with or without a mask, causal or not; bfloat16, D=128, or the same call without softcap= or
-    without the function were right. The cause is not found (open defect, docs/attention.md), so such a
-    differentiable call is refused before it runs (and its backward, for calls that reach it
-    under torch.compile)."""
-    user = problem.mods.user
-    function = user is not None and user.score_mod is not None
-    if function and problem.dtype == torch.float16 and problem.head_dim > 128 and "capped" in problem.mods.switches:
-        raise ValueError(
-            f"float16 inputs with head dim {problem.head_dim} cannot take softcap= beside a score_mod in a "
-            "differentiable call: its dQ kernel gives wrong gradients there (a known defect); use bfloat16 "
-            "inputs, or run without gradients"
         )
 
 

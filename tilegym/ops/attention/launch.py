@@ -23,7 +23,6 @@ from tilegym.launching import (
 )
 from tilegym.ops.attention import (
     aux_gradients,
-    caller_functions,
     configs,
     dispatch,
     packing,
@@ -93,10 +92,13 @@ class _Launcher(TunedLauncher):
             _check_forced_packed(self.problem, kernel_name, forced)
             return forced
         problem = self.problem
-        scores = configs.score_tables(problem.mods.switches)
-        return configs.candidates(
-            kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, scores, problem.value_dim
-        )
+        switches = problem.mods.switches
+        choices = configs.candidates(
+            kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, configs.score_tables(switches),
+            problem.value_dim,
+        )  # fmt: skip
+        dtype = str(problem.dtype).removeprefix("torch.")
+        return configs.without_faulty(choices, kernel_name, dtype, problem.head_dim, switches)
 
     def tuned(self, name: str, values: dict, before_each=None, packed_as_one=False) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
@@ -749,7 +751,6 @@ def _backward_steps(
 ):
     """The backward's launches, in order, and its workspaces (where they write dQ, dK and dV)."""
     problem = launcher.problem
-    caller_functions.check_backward_runs(problem)
     if d_aux is not None:
         mod_tensors = dataclasses.replace(mod_tensors, aux=aux_gradients.read_wide(mod_tensors.aux))
     q, k, v, out, d_out = (addressable(t) for t in (q, k, v, out, d_out))
