@@ -361,6 +361,42 @@ def test_aux_gradient_dkdv_compiles_where_key_tiles_go_unseen(switches, causal, 
         assert "HGMMA" in sass.disassemble(path)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "deterministic"),
+    [(ct.float32, 64, False), (ct.float64, 64, True), (ct.float32, 256, True), (ct.float64, 256, False)],
+    ids=["fp32-d64", "fp64-d64-deterministic", "fp32-d256-deterministic", "fp64-d256"],
+)  # fmt: skip
+def test_packed_masked_aux_gradient_dkdv_compiles_on_wide_dtypes(dtype, head_dim, deterministic):
+    """The packed dK/dV kernel with a learned relative table beside a mask compiles for sm_90 on
+    float32 and float64 inputs, its aux gradient in their width or in deterministic int64 sums,
+    at every config of its table: tileiras crashed on this form until _seen_by_no_query read the
+    mask's two counts as one loaded pair."""
+    if sass.cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    from cuda.tile.compilation import export_kernel
+
+    relative = score_functions.relative_position_bias(torch.zeros(4, 33), 16)
+    mask_mod = score_functions.prefix_lm(torch.zeros(1, dtype=torch.int32))["mask_mod"]
+    functions = programmable.user_functions(
+        relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"], mask_mod
+    )  # fmt: skip
+    kernel = programmable.user_kernel(VARIANTS[BACKWARD_DKDV].kernel, functions)
+    element_size = 8 if dtype == ct.float64 else 4
+    tables = configs.score_tables(ScoreMods(user=functions).switches)
+    aux_grad = (ct.int64, 3) if deterministic else (dtype, 2)
+    arrays = {"Aux0": (dtype, 2), "AuxGrad0": aux_grad, "MaskAux0": (ct.int32, 1)}
+    switches = {"block_sparse": True, "varlen": True}
+    for config in configs.candidates(BACKWARD_DKDV, "sm_90", head_dim, element_size, tables):
+        signature = sass.signature(BACKWARD_DKDV, dtype, head_dim, config, False, switches, arrays=arrays)
+        with tempfile.TemporaryDirectory() as workdir:
+            path = Path(workdir) / "dkdv.cubin"
+            export_kernel(autotune.with_hints(kernel, config), [signature], str(path), gpu_code="sm_90",
+                          output_format="cubin")  # fmt: skip
+            text = sass.disassemble(path)
+            atomics = sum(sass.count_instructions(text, opcode) for opcode in ("RED", "ATOM", "ATOMG"))
+            assert atomics > 0, f"{config}: no atomic adds, so no aux gradient compiled in"
+
+
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backward_compiled_ahead_as_launched_with_an_aux_gradient(monkeypatch, table_dtype):
     """With a score function whose table takes a gradient, compile_backward_ahead starts the very

@@ -68,8 +68,6 @@ class CallerFunctions:
             wants_aux_grad = training and requires_grad
         if self.aux_grad is not None and self.score_mod is None:
             raise ValueError("aux_grad is given without score_mod")
-        if wants_aux_grad and self.aux_grad is not None and mask is not None and cu_seqlens is not None:
-            _check_packed_masked_aux_grad(q)
         functions = programmable.memo_user_functions(
             self.score_mod, self.score_mod_grad, self.aux_grad if wants_aux_grad else None,
             None if mask is None else mask.mask_mod,
@@ -80,19 +78,6 @@ class CallerFunctions:
         mods = dataclasses.replace(problem.mods, user=functions)
         problem = dataclasses.replace(problem, mods=mods)
         return problem, dataclasses.replace(mod_tensors, aux=aux, block_mask=mask)
-
-
-def _check_packed_masked_aux_grad(q) -> None:
-    """A packed batch whose aux takes a gradient beside a mask: its dK/dV kernel does not compile
-    for float32 and float64 inputs (cuda-tile 1.7's tileiras crashes on the aux gradient's atomic
-    adds inside a packed block mask's loop, for any tile size), so such a call is refused before
-    it runs. 16-bit inputs, dense batches and frozen aux tensors compile."""
-    if q.dtype in (torch.float32, torch.float64):
-        raise ValueError(
-            f"a packed batch of {q.dtype} inputs cannot take an aux gradient (aux_grad) beside a mask_mod or "
-            "block_mask: its backward kernel does not compile with this cuda-tile; use float16/bfloat16 inputs, "
-            "a dense batch, or an aux that does not require grad"
-        )
 
 
 def check_training(score_mod, score_mod_grad, aux_grad, training: bool, aux_requires_grad: bool) -> None:

@@ -568,9 +568,10 @@ def _seen_by_no_query(kv_tile, first_q_head, members, seq, scoring, MaskCounts, 
         steps = 0
         for group_member in range(members):
             lists = tile_lists(MaskCounts, MaskTiles, seq, first_q_head + group_member)
-            partial = ct.gather(lists.counts, (lists.b, lists.h, kv_tile, 0))
-            full = ct.gather(lists.counts, (lists.b, lists.h, kv_tile, 1))
-            steps = steps + partial + full
+            # Both counts (partly and fully visible tiles) as one loaded pair: read by two
+            # gathers, tileiras (cuda-tile 1.7) crashed on the packed float32/float64 kernel.
+            counts = ct.load(lists.counts, index=(lists.b, lists.h, kv_tile, 0), shape=(1, 1, 1, 2))
+            steps = steps + ct.sum(counts)
     else:
         segments = query_segments(kv_tile, scoring)
         steps = segments.end - segments.start
