@@ -14,14 +14,7 @@ import torch
 
 from tests.ops import sass
 from tilegym import autotune
-from tilegym.ops.attention import (
-    aux_gradients,
-    block_mask,
-    configs,
-    launch,
-    programmable,
-    score_functions,
-)
+from tilegym.ops.attention import aux_gradients, block_mask, configs, launch, programmable, score_functions
 from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ScoreMods
 from tilegym.ops.attention.variants import (
