@@ -835,10 +835,7 @@ _D192_SOFTCAP_FUNCTION = frozenset({"capped", "windowed", "functions"})
 
 @pytest.mark.parametrize(
     "config",
-    [None, *configs.without_faulty(
-        configs.candidates(configs.BACKWARD_DQ, "sm_90", 192, 2, configs.score_tables(_D192_SOFTCAP_FUNCTION)),
-        configs.BACKWARD_DQ, "float16", 192, _D192_SOFTCAP_FUNCTION,
-    )],
+    [None, *configs.call_candidates(configs.BACKWARD_DQ, "sm_90", 192, 192, torch.float16, _D192_SOFTCAP_FUNCTION)],
     ids=lambda config: "tuned" if config is None else f"{config.block_m}x{config.block_n}-w{config.num_worker_warps}",
 )  # fmt: skip
 def test_op_varlen_float16_d192_softcap_beside_a_bias_function(config, force_config):

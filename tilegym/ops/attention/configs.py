@@ -495,7 +495,7 @@ def candidates(
 @dataclass(frozen=True)
 class FaultyConfig:
     """A config seen to compute wrong results for one kernel, input dtype and Q/K head dim in calls
-    that set all of switches (score_mods.ScoreMods.switches): without_faulty leaves it out of
+    that set all of switches (score_mods.ScoreMods.switches): call_candidates leaves it out of
     those calls' candidates, the other configs of the table kept."""
 
     kernel: str
@@ -515,14 +515,18 @@ FAULTY_CONFIGS = (
 
 
 @cache
-def without_faulty(
-    choices: tuple[TileConfig, ...], kernel: str, dtype: str, head_dim: int, switches: frozenset
+def call_candidates(
+    kernel: str, arch: str, head_dim: int, value_dim: int, dtype, switches: frozenset
 ) -> tuple[TileConfig, ...]:
-    """choices less the FAULTY_CONFIGS of this kernel, dtype (by name), head dim and switches."""
+    """The configs a call tries for one kernel: candidates() for its inputs' torch dtype and score
+    switches (score_mods.ScoreMods.switches), less the FAULTY_CONFIGS that match them. Cached:
+    every launch asks."""
+    choices = candidates(kernel, arch, head_dim, dtype.itemsize, score_tables(switches), value_dim)
+    name = str(dtype).removeprefix("torch.")
     faulty = {
         entry.config
         for entry in FAULTY_CONFIGS
-        if (entry.kernel, entry.dtype, entry.head_dim) == (kernel, dtype, head_dim) and entry.switches <= switches
+        if (entry.kernel, entry.dtype, entry.head_dim) == (kernel, name, head_dim) and entry.switches <= switches
     }
     return tuple(config for config in choices if config not in faulty)
 

@@ -21,15 +21,7 @@ from tilegym.launching import (
     parameter_names,
     split_arguments,
 )
-from tilegym.ops.attention import (
-    aux_gradients,
-    configs,
-    dispatch,
-    packing,
-    prepared,
-    programmable,
-    score_mods,
-)
+from tilegym.ops.attention import aux_gradients, configs, dispatch, packing, prepared, programmable, score_mods
 from tilegym.ops.attention.block_mask import BlockMask, MaskRule
 from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
@@ -92,13 +84,9 @@ class _Launcher(TunedLauncher):
             _check_forced_packed(self.problem, kernel_name, forced)
             return forced
         problem = self.problem
-        switches = problem.mods.switches
-        choices = configs.candidates(
-            kernel_name, self.arch, problem.head_dim, problem.dtype.itemsize, configs.score_tables(switches),
-            problem.value_dim,
-        )  # fmt: skip
-        dtype = str(problem.dtype).removeprefix("torch.")
-        return configs.without_faulty(choices, kernel_name, dtype, problem.head_dim, switches)
+        return configs.call_candidates(
+            kernel_name, self.arch, problem.head_dim, problem.value_dim, problem.dtype, problem.mods.switches
+        )
 
     def tuned(self, name: str, values: dict, before_each=None, packed_as_one=False) -> autotune.TunedKernel:
         """The launch of a variant: values names every kernel argument but the variant's pinned
