@@ -689,14 +689,18 @@ def test_op_bias_gradient_with_caller_functions(name, bias_shape, dtype):
     _poison_allocator()
     out = tile_fmha_with_backward(q, k, v, is_causal=causal, attn_bias=bias, **ours)
     grads = torch.autograd.grad(out, [q, k, v, bias], d_out)
-    results = {}
-    for compute_dtype in (torch.float64, dtype):
-        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v, bias)]
-        ref_out, _ = attention_reference(*leaves[:3], is_causal=causal, compute_dtype=compute_dtype,
-                                         attn_bias=leaves[3], score_mod=meaning, **keywords)  # fmt: skip
-        results[compute_dtype] = (ref_out, *torch.autograd.grad(ref_out, leaves, d_out.to(compute_dtype)))
-    for label, got, base, ref in zip(("out", "dq", "dk", "dv", "d_bias"), (out, *grads), results[dtype],
-                                     results[torch.float64], strict=True):  # fmt: skip
+    _assert_close_to_the_reference(out, grads, q, k, v, d_out, causal, {"attn_bias": bias, "score_mod": meaning,
+                                                                         **keywords})  # fmt: skip
+
+
+def _assert_close_to_the_reference(out, grads, q, k, v, d_out, causal, kwargs):
+    """out and grads (dq, dk, dv, then attn_bias's) against reference_run's in float64, within
+    the rule's distance of its run in the inputs' dtype."""
+    dtype = q.dtype
+    ref_out, _, ref_grads = reference_run(q, k, v, d_out, causal, kwargs, torch.float64)
+    base_out, _, base_grads = reference_run(q, k, v, d_out, causal, kwargs, dtype)
+    for label, got, base, ref in zip(("out", "dq", "dk", "dv", "d_bias"), (out, *grads), (base_out, *base_grads),
+                                     (ref_out, *ref_grads), strict=True):  # fmt: skip
         assert_close_to_reference(label, got, base.to(got.dtype), ref, dtype)
 
 
@@ -713,15 +717,7 @@ def test_op_sixteen_bit_aux_with_its_gradient(dtype):
     out = tile_fmha_with_backward(q, k, v, is_causal=True, softcap=30.0, **sf.inlined(sf.additive_bias(bias)))
     grads = torch.autograd.grad(out, [q, k, v, bias], d_out)
     assert grads[3].dtype == dtype
-    results = {}
-    for compute_dtype in (torch.float64, dtype):
-        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v, bias)]
-        ref_out, _ = attention_reference(*leaves[:3], is_causal=True, compute_dtype=compute_dtype, softcap=30.0,
-                                         attn_bias=leaves[3])  # fmt: skip
-        results[compute_dtype] = (ref_out, *torch.autograd.grad(ref_out, leaves, d_out.to(compute_dtype)))
-    for label, got, base, ref in zip(("out", "dq", "dk", "dv", "d_bias"), (out, *grads), results[dtype],
-                                     results[torch.float64], strict=True):  # fmt: skip
-        assert_close_to_reference(label, got, base, ref, dtype)
+    _assert_close_to_the_reference(out, grads, q, k, v, d_out, True, {"softcap": 30.0, "attn_bias": bias})
 
 
 def test_op_attention_programmable_gradcheck():
