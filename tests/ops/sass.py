@@ -42,7 +42,7 @@ import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 
 from tilegym import autotune, index_width
-from tilegym.ops.attention import configs, launch
+from tilegym.ops.attention import configs, launch, programmable
 from tilegym.ops.attention.variants import ANY_SCORES, VARIANTS
 
 # ---------------------------------------------------------------------------------------------
@@ -167,13 +167,17 @@ def compile_cubin(
     switches=None,
     wide=False,
     value_dim=None,
+    functions=None,
+    arrays=None,
 ) -> Path:
-    """Compile a variant for one launch signature (see signature) to a cubin at path."""
-    kernel = VARIANTS[name].kernel
+    """Compile a variant for one launch signature (see signature) to a cubin at path; functions:
+    the caller's (programmable.user_functions), compiled into the variant's copy that calls them,
+    and arrays the types of their aux arrays (signature)."""
+    kernel = programmable.user_kernel(VARIANTS[name].kernel, functions)
     kernel = autotune.with_hints(index_width.wide(kernel) if wide else kernel, config)
     export_kernel(
         kernel,
-        [signature(name, dtype, head_dim, config, causal, switches, wide, value_dim=value_dim)],
+        [signature(name, dtype, head_dim, config, causal, switches, wide, arrays, value_dim)],
         str(path),
         gpu_code=arch,
         output_format="cubin",

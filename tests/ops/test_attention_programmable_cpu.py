@@ -6,6 +6,7 @@ import inspect
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import cuda.tile as ct
@@ -13,7 +14,6 @@ import pytest
 import torch
 
 from tests.ops import sass
-from tilegym import autotune
 from tilegym.ops.attention import aux_gradients, block_mask, configs, launch, programmable, score_functions
 from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ScoreMods
@@ -295,14 +295,9 @@ def test_ready_made_functions_compile_into_every_kernel(name):
         launches += [launch for launch in every if launch not in launches]
     with tempfile.TemporaryDirectory() as workdir:
         for variant, head_dim, config in launches:
-            kernel = autotune.with_hints(programmable.user_kernel(VARIANTS[variant].kernel, functions), config)
-            signature = sass.signature(
-                variant, ct.bfloat16, head_dim, config, True, {"block_sparse": masks}, arrays=arrays
-            )  # fmt: skip
-            path = Path(workdir) / f"{variant}.cubin"
-            from cuda.tile.compilation import export_kernel
-
-            export_kernel(kernel, [signature], str(path), gpu_code="sm_90", output_format="cubin")
+            path = sass.compile_cubin(variant, ct.bfloat16, head_dim, config, True, "sm_90",
+                                      Path(workdir) / f"{variant}.cubin", {"block_sparse": masks}, functions=functions,
+                                      arrays=arrays)  # fmt: skip
             text = sass.disassemble(path)
             assert "HGMMA" in text
             assert not sass.matmuls_serialized(text), f"{name}: {variant} waits for each matmul alone"
@@ -335,23 +330,24 @@ def test_aux_gradient_dkdv_compiles_where_key_tiles_go_unseen(switches, causal, 
     whether any query sees their key tile and return early (kernels/backward._seen_by_no_query)."""
     if sass.cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
-    from cuda.tile.compilation import export_kernel
-
-    relative = score_functions.relative_position_bias(torch.zeros(4, 33), 16)
-    mask_mod = score_functions.prefix_lm(torch.zeros(1, dtype=torch.int32))["mask_mod"] if masked else None
-    functions = programmable.user_functions(
-        relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"], mask_mod
-    )  # fmt: skip
+    functions = _relative_table_functions(masked)
     config = configs.candidates(
         BACKWARD_DKDV, "sm_90", 64, 2, configs.score_tables(ScoreMods(user=functions).switches)
     )[0]
-    kernel = autotune.with_hints(programmable.user_kernel(VARIANTS[BACKWARD_DKDV].kernel, functions), config)
     arrays = {"Aux0": (ct.float32, 2), "AuxGrad0": (ct.float32, 2), **({"MaskAux0": (ct.int32, 1)} if masked else {})}
-    signature = sass.signature(BACKWARD_DKDV, ct.bfloat16, 64, config, causal, switches, arrays=arrays)
     with tempfile.TemporaryDirectory() as workdir:
-        path = Path(workdir) / "dkdv.cubin"
-        export_kernel(kernel, [signature], str(path), gpu_code="sm_90", output_format="cubin")
+        path = sass.compile_cubin(BACKWARD_DKDV, ct.bfloat16, 64, config, causal, "sm_90", Path(workdir) / "dkdv.cubin",
+                                  switches, functions=functions, arrays=arrays)  # fmt: skip
         assert "HGMMA" in sass.disassemble(path)
+
+
+def _relative_table_functions(masked: bool):
+    """A learned relative-position table's functions, beside a prefix-LM mask where masked."""
+    relative = score_functions.relative_position_bias(torch.zeros(4, 33), 16)
+    mask_mod = score_functions.prefix_lm(torch.zeros(1, dtype=torch.int32))["mask_mod"] if masked else None
+    return programmable.user_functions(
+        relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"], mask_mod
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -366,25 +362,17 @@ def test_packed_masked_aux_gradient_dkdv_compiles_on_wide_dtypes(dtype, head_dim
     mask's two counts as one loaded pair."""
     if sass.cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
-    from cuda.tile.compilation import export_kernel
-
-    relative = score_functions.relative_position_bias(torch.zeros(4, 33), 16)
-    mask_mod = score_functions.prefix_lm(torch.zeros(1, dtype=torch.int32))["mask_mod"]
-    functions = programmable.user_functions(
-        relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"], mask_mod
-    )  # fmt: skip
-    kernel = programmable.user_kernel(VARIANTS[BACKWARD_DKDV].kernel, functions)
+    functions = _relative_table_functions(masked=True)
     element_size = 8 if dtype == ct.float64 else 4
     tables = configs.score_tables(ScoreMods(user=functions).switches)
     aux_grad = (ct.int64, 3) if deterministic else (dtype, 2)
     arrays = {"Aux0": (dtype, 2), "AuxGrad0": aux_grad, "MaskAux0": (ct.int32, 1)}
     switches = {"block_sparse": True, "varlen": True}
     for config in configs.candidates(BACKWARD_DKDV, "sm_90", head_dim, element_size, tables):
-        signature = sass.signature(BACKWARD_DKDV, dtype, head_dim, config, False, switches, arrays=arrays)
         with tempfile.TemporaryDirectory() as workdir:
-            path = Path(workdir) / "dkdv.cubin"
-            export_kernel(autotune.with_hints(kernel, config), [signature], str(path), gpu_code="sm_90",
-                          output_format="cubin")  # fmt: skip
+            path = sass.compile_cubin(BACKWARD_DKDV, dtype, head_dim, config, False, "sm_90",
+                                      Path(workdir) / "dkdv.cubin", switches, functions=functions,
+                                      arrays=arrays)  # fmt: skip
             text = sass.disassemble(path)
             atomics = sum(sass.count_instructions(text, opcode) for opcode in ("RED", "ATOM", "ATOMG"))
             assert atomics > 0, f"{config}: no atomic adds, so no aux gradient compiled in"
@@ -448,16 +436,6 @@ def test_ready_made_masks_compile_into_the_sorting_kernel(name, varlen):
         export_kernel(kernel, [signature], str(Path(workdir) / "k.cubin"), gpu_code="sm_90", output_format="cubin")
 
 
-class _Tables:
-    """Stands in for launch._Launcher where only its candidates are asked."""
-
-    arch = "sm_90"
-    candidates = launch._Launcher.candidates
-
-    def __init__(self, problem):
-        self.problem = problem
-
-
 def test_faulty_dq_config_left_out_of_its_calls_only():
     """float16 at D=192 with softcap= beside a score function never tries the dQ config seen to
     compute wrong gradients there (configs.FAULTY_CONFIGS); the table's other configs stay, and
@@ -470,7 +448,8 @@ def test_faulty_dq_config_left_out_of_its_calls_only():
         mods = ScoreMods(softcap=softcap, user=user, window=(300, 0))
         problem = AttentionProblem(1, 2, 2, 100, 100, dim, dtype, 0.1, True, mods)
         table = configs.candidates(BACKWARD_DQ, "sm_90", dim, 2, configs.score_tables(mods.switches))
-        return _Tables(problem).candidates(BACKWARD_DQ), table
+        launcher = types.SimpleNamespace(arch="sm_90", problem=problem)  # all _Launcher.candidates reads
+        return launch._Launcher.candidates(launcher, BACKWARD_DQ), table
 
     chosen, table = candidates()
     assert faulty.config in table and faulty.config not in chosen
