@@ -351,23 +351,28 @@ def _relative_table_functions(masked: bool):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "head_dim", "deterministic"),
-    [(ct.float32, 64, False), (ct.float64, 64, True), (ct.float32, 256, True), (ct.float64, 256, False)],
-    ids=["fp32-d64", "fp64-d64-deterministic", "fp32-d256-deterministic", "fp64-d256"],
+    ("dtype", "head_dim", "packed", "deterministic"),
+    [(ct.float32, 64, True, False), (ct.float64, 64, True, True), (ct.float32, 256, True, True),
+     (ct.float64, 256, True, False), (ct.float16, 128, False, False), (ct.bfloat16, 128, True, False),
+     (ct.bfloat16, 256, False, True)],
+    ids=["fp32-d64-packed", "fp64-d64-packed-deterministic", "fp32-d256-packed-deterministic", "fp64-d256-packed",
+         "fp16-d128", "bf16-d128-packed", "bf16-d256-deterministic"],
 )  # fmt: skip
-def test_packed_masked_aux_gradient_dkdv_compiles_on_wide_dtypes(dtype, head_dim, deterministic):
-    """The packed dK/dV kernel with a learned relative table beside a mask compiles for sm_90 on
-    float32 and float64 inputs, its aux gradient in their width or in deterministic int64 sums,
-    at every config of its table: tileiras crashed on this form until _seen_by_no_query read the
-    mask's two counts as one loaded pair."""
+def test_masked_aux_gradient_dkdv_compiles_at_every_config(dtype, head_dim, packed, deterministic):
+    """The dK/dV kernel with a learned relative table beside a mask compiles for sm_90 at every
+    config of its table, dense and packed, 16-bit and wide, its aux gradient in the table's width
+    or in deterministic int64 sums. tileiras failed on each nearby way of reading the mask's two
+    counts in _seen_by_no_query: two gathers crashed it on packed batches, one summed pair of
+    counts on 16-bit inputs at D >= 128."""
     if sass.cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
     functions = _relative_table_functions(masked=True)
-    element_size = 8 if dtype == ct.float64 else 4
+    element_size = {ct.float32: 4, ct.float64: 8}.get(dtype, 2)
+    wide = ct.float64 if dtype == ct.float64 else ct.float32
     tables = configs.score_tables(ScoreMods(user=functions).switches)
-    aux_grad = (ct.int64, 3) if deterministic else (dtype, 2)
-    arrays = {"Aux0": (dtype, 2), "AuxGrad0": aux_grad, "MaskAux0": (ct.int32, 1)}
-    switches = {"block_sparse": True, "varlen": True}
+    aux_grad = (ct.int64, 3) if deterministic else (wide, 2)
+    arrays = {"Aux0": (wide, 2), "AuxGrad0": aux_grad, "MaskAux0": (ct.int32, 1)}
+    switches = {"block_sparse": True, **({"varlen": True} if packed else {})}
     for config in configs.candidates(BACKWARD_DKDV, "sm_90", head_dim, element_size, tables):
         with tempfile.TemporaryDirectory() as workdir:
             path = sass.compile_cubin(BACKWARD_DKDV, dtype, head_dim, config, False, "sm_90",

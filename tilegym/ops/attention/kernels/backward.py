@@ -568,10 +568,12 @@ def _seen_by_no_query(kv_tile, first_q_head, members, seq, scoring, MaskCounts, 
         steps = 0
         for group_member in range(members):
             lists = tile_lists(MaskCounts, MaskTiles, seq, first_q_head + group_member)
-            # Both counts (partly and fully visible tiles) as one loaded pair: read by two
-            # gathers, tileiras (cuda-tile 1.7) crashed on the packed float32/float64 kernel.
-            counts = ct.load(lists.counts, index=(lists.b, lists.h, kv_tile, 0), shape=(1, 1, 1, 2))
-            steps = steps + ct.sum(counts)
+            # The counts of partly and fully visible tiles, each as a loaded one-element tile.
+            # tileiras (cuda-tile 1.7) fails on the nearby forms: two gathers crash it on packed
+            # batches (most dtypes), one (1, 1, 1, 2) tile reduced by ct.sum on 16-bit D >= 128.
+            partial = ct.load(lists.counts, index=(lists.b, lists.h, kv_tile, 0), shape=(1, 1, 1, 1))
+            full = ct.load(lists.counts, index=(lists.b, lists.h, kv_tile, 1), shape=(1, 1, 1, 1))
+            steps = steps + ct.reshape(partial + full, ())
     else:
         segments = query_segments(kv_tile, scoring)
         steps = segments.end - segments.start
