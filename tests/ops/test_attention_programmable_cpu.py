@@ -125,6 +125,29 @@ def test_user_kernel_is_one_copy_per_fingerprint():
     assert first._pyfunc.__globals__["SCORE_MOD"] is not None and kernel._pyfunc.__globals__["SCORE_MOD"] is None
 
 
+def test_compile_errors_name_the_functions_and_tell_compiler_faults_apart():
+    """naming_errors turns a cuTile error into a UserFunctionError naming the caller's functions;
+    one raised by the compiler itself (no line to point at) says it is not located in them."""
+    from cuda.tile._exception import CompilerExecutionError, Loc, TileTypeError
+
+    relative = score_functions.relative_position_bias(torch.zeros(2, 9), 4)
+    functions = programmable.user_functions(relative["score_mod"], relative["score_mod_grad"], relative["aux_grad"])
+    raised = {
+        "located": TileTypeError("cannot add a tuple to a tile", Loc.unknown()),
+        "compiler": CompilerExecutionError(5, "failed to compile Tile IR program", Loc.unknown(), "-O3", None),
+    }
+    messages = {}
+    for kind, error in raised.items():
+        with pytest.raises(programmable.UserFunctionError) as caught:
+            with programmable.naming_errors(functions):
+                raise error
+        messages[kind] = str(caught.value)
+        assert "score_mod '_relative_score'" in messages[kind] and "score_functions.py:" in messages[kind]
+        assert caught.value.__cause__ is error
+    assert "internal error of cuTile's compiler" in messages["compiler"]
+    assert "internal error" not in messages["located"]
+
+
 def test_check_aux():
     q = torch.zeros(1)
     assert programmable.check_aux(None, q, "aux") == ()

@@ -251,9 +251,19 @@ def check_aux(aux, q: torch.Tensor, name: str) -> tuple[torch.Tensor, ...]:
 
 def describe_compile_error(functions: UserFunctions, error: Exception) -> UserFunctionError:
     """The error of a kernel that failed to compile with the caller's functions, naming each of
-    them and where it is defined, and cuTile's own message (which gives the failing line)."""
+    them and where it is defined, and cuTile's own message (which gives the failing line). Where
+    the compiler itself failed (an internal error: tileiras crashed or timed out, with no line
+    to point at), it says so, since the functions may well be right."""
+    from cuda.tile._exception import TileInternalError
+
     names = ", ".join(f"{role} {_where(function)}" for role, function in functions.given().items())
-    return UserFunctionError(f"attention kernels could not compile with {names}: {type(error).__name__}: {error}")
+    message = f"attention kernels could not compile with {names}: {type(error).__name__}: {error}"
+    if isinstance(error, TileInternalError):
+        message += (
+            "\n(an internal error of cuTile's compiler, not one located in these functions: please report it with "
+            "the call's dtypes, head dims and functions)"
+        )
+    return UserFunctionError(message)
 
 
 @contextlib.contextmanager
