@@ -386,7 +386,7 @@ def test_masked_aux_gradient_dkdv_compiles_at_every_config(dtype, head_dim, pack
     config of its table, dense and packed, 16-bit and wide, its aux gradient in the table's width
     or in deterministic int64 sums. tileiras failed on each nearby way of reading the mask's two
     counts in _seen_by_no_query: two gathers crashed it on packed batches, one summed pair of
-    counts on 16-bit inputs at D >= 128."""
+    counts on 16-bit inputs at D=80 to 128 and at 256."""
     if sass.cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
     functions = _relative_table_functions(masked=True)

@@ -570,7 +570,7 @@ def _seen_by_no_query(kv_tile, first_q_head, members, seq, scoring, MaskCounts, 
             lists = tile_lists(MaskCounts, MaskTiles, seq, first_q_head + group_member)
             # The counts of partly and fully visible tiles, each as a loaded one-element tile.
             # tileiras (cuda-tile 1.7) fails on the nearby forms: two gathers crash it on packed
-            # batches (most dtypes), one (1, 1, 1, 2) tile reduced by ct.sum on 16-bit D >= 128.
+            # batches (most dtypes), one (1, 1, 1, 2) tile reduced by ct.sum on 16-bit D=80-128 and 256.
             partial = ct.load(lists.counts, index=(lists.b, lists.h, kv_tile, 0), shape=(1, 1, 1, 1))
             full = ct.load(lists.counts, index=(lists.b, lists.h, kv_tile, 1), shape=(1, 1, 1, 1))
             steps = steps + ct.reshape(partial + full, ())
