@@ -254,7 +254,7 @@ def describe_compile_error(functions: UserFunctions, error: Exception) -> UserFu
     them and where it is defined, and cuTile's own message (which gives the failing line). Where
     the compiler itself failed (an internal error: tileiras crashed or timed out, with no line
     to point at), it says so, since the functions may well be right."""
-    from cuda.tile._exception import TileInternalError
+    from cuda.tile import TileInternalError
 
     names = ", ".join(f"{role} {_where(function)}" for role, function in functions.given().items())
     message = f"attention kernels could not compile with {names}: {type(error).__name__}: {error}"
@@ -273,7 +273,7 @@ def naming_errors(functions: UserFunctions | None):
     if functions is None:
         yield
         return
-    from cuda.tile._exception import TileError
+    from cuda.tile import TileError
 
     try:
         yield
