@@ -1031,8 +1031,8 @@ def test_op_varlen_aux_gradient_with_a_mask(name, dtype, deterministic):
     each sequence's mask shows. The prefix-LM mask hides whole key tiles from every query, whose
     programs return at once (their gradients zeros). Every dtype, the gradient summed by atomic
     adds or, under torch.use_deterministic_algorithms, in fixed point (float64 keeps atomic adds,
-    with a warning). The float32 and float64 kernels of this form crashed the compiler until the
-    key tiles' check loaded the mask's two counts as one pair."""
+    with a warning). The compiler failed on this form's kernels in each of two nearby ways of
+    reading the mask's two counts in the key tiles' check (perf-notes#mask-counts-loaded-apart)."""
     causal, build = MASKS[name]
     batch = pack(MIXED_Q + [90, 3], MIXED_K + [40, 0], 4, 2, 64, dtype, spare_q=5, spare_k=3)
     mask, visible = build(batch.sequences)
