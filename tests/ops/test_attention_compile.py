@@ -151,6 +151,25 @@ def test_op_attention_plain_sass_unchanged_by_score_modifiers(kernel, head_dim, 
     )
 
 
+@slow
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_op_attention_d64_fused_dq_share_not_loaded_back(causal, packed, tmp_path):
+    """The D=64 fused backward's unmasked steps compute dQ^T = K^T dS^T from dS^T in shared memory:
+    no byte permutes that rebuild dS, transposed, in registers for dS K (64 per thread and step
+    before, perf-notes#dq-transposed). Masked steps (causal) keep dS K."""
+    config = configs.candidates(configs.BACKWARD_FUSED, "sm_90", 64, 2)[0]
+    cubin = sass.compile_cubin(
+        configs.BACKWARD_FUSED, ct.bfloat16, 64, config, causal, "sm_90", tmp_path / "k.cubin", {"varlen": packed}
+    )
+    loops = sass.matmul_loops(sass.disassemble(cubin))
+    unmasked = [loop for loop in loops if "PRMT" not in loop.opcodes]
+    # Full: two loops (the compiler splits the key loop); causal: two of four, the others masked.
+    assert len(unmasked) == 2 and len(loops) == (4 if causal else 2), [len(loop.opcodes) for loop in loops]
+    for loop in unmasked:
+        assert "STSM" in loop.opcodes and len(loop.opcodes) < 850, len(loop.opcodes)
+
+
 # One compile per switch (and a few combinations), in both orientations of the score tile.
 _SWITCHES = {
     "bias-per-row": {"bias_mode": 2},
@@ -348,8 +367,10 @@ def test_op_attention_packed_batches_compile(kernel, head_dim, causal, switches,
         assert sass.count_instructions(text, r"UTMACCTL\.IV") <= 2, "a descriptor built for a tile loaded once"
     if kernel == configs.BACKWARD_FUSED and head_dim == 64:
         # Statistics read at a tile index, dK and dV stored plainly: descriptors built per program
-        # for K, V, Q, dOut and the dQ sum only (perf-notes#packed-fused-plain-stores).
-        assert sass.count_instructions(text, r"UTMACCTL\.IV") <= 5, "a descriptor built for the statistics or dK, dV"
+        # for K, V, Q, dOut and the dQ sum only (perf-notes#packed-fused-plain-stores); causal,
+        # the dQ sum's twice: masked steps add dS K, the others dQ^T (perf-notes#dq-transposed).
+        most = 6 if causal else 5
+        assert sass.count_instructions(text, r"UTMACCTL\.IV") <= most, "a descriptor built for the statistics or dK, dV"
     # The backward's row statistics start each sequence at a multiple of every query tile
     # (packed.stat_rows), so the dK/dV loop loads them by bulk copy, not element by element from
     # the math warps.

@@ -46,6 +46,7 @@ from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
 from tilegym.ops.attention.kernels.state import (
     DqTile,
+    HeadParts,
     HeadSplit,
     KeyState,
     KeyTile,
@@ -281,6 +282,10 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
         d_bias_row = d_bias_row + ct.sum(d_scores_t, axis=1, keepdims=True)  # [block_n, 1]
     d_scores_t = pre_cap_gradient(d_scores_t, step.capped_tanh, scoring.switches.capped)
     d_scores_t = d_scores_t.astype(q.main.dtype)
+    # Masked steps (few) keep dQ = dS K: with dQ^T their loops kept values in local memory.
+    dq_key_major = tile.sum_dq and reload_q and not _holds_dq_share(tiling.qk)
+    if dq_key_major:
+        _add_dq_share_key_major(tile, q_tile, d_scores_t)
     if reload_q:
         # The compiler gives each load one buffer, freed after its last use. Loaded once, Q
         # stays busy until dK, so the next step's Q could only be loaded while this step
@@ -293,7 +298,7 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
             d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)
     else:
         d_key = head_product(d_scores_t, q, d_key, tiling.qk)  # [block_n, D]
-    if tile.sum_dq:
+    if tile.sum_dq and not dq_key_major:
         # [block_m, D]
         d_query = head_product(ct.transpose(d_scores_t), k, head_zeros(block_m, tiling.qk, acc_dtype), tiling.qk)
         d_query = head_scaled(d_query, tile.dq_scale, tiling.qk)
@@ -302,6 +307,22 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
         else:
             add_head(tile.DQSum, b, q_head, q_tile, d_query, block_m, tiling.qk)
     return KeyState(d_key, d_value, d_bias_row, pending_dq, q_tile)
+
+
+@ct.function
+def _add_dq_share_key_major(tile, q_tile, d_scores_t):
+    """Adds a step's dQ share (scaled) into DQSum where it is not held for the next step (a head
+    of one tile up to 64 wide). It is computed as dQ^T = K^T dS^T, from dS^T as the step holds it:
+    dS^T goes to shared memory and both operands are read from there. Computed as dS K, the compiler
+    also loaded dS back into registers, transposed, for the matmul (eight 16-byte loads and 64
+    byte permutes per thread and step: 924 instructions per step against 794 at D=64,
+    perf-notes#dq-transposed). Issued before dK and dV, the dV matmuls stay in one group."""
+    tiling = tile.scoring.tiling
+    width, block_m = tiling.qk.width, tiling.block_m
+    k = tile.k.main  # [block_n, D]
+    d_query_t = ct.mma(ct.transpose(k), d_scores_t, ct.zeros((width, block_m), accumulator_dtype(k.dtype)))
+    d_query = ct.transpose(d_query_t * tile.dq_scale)  # [block_m, D]
+    add_head(tile.DQSum, tile.b, tile.q_head, q_tile, HeadParts(d_query, 0), block_m, tiling.qk)
 
 
 @ct.function
