@@ -170,6 +170,23 @@ def test_op_attention_d64_fused_dq_share_not_loaded_back(causal, packed, tmp_pat
         assert "STSM" in loop.opcodes and len(loop.opcodes) < 850, len(loop.opcodes)
 
 
+@slow
+@pytest.mark.parametrize("switches", [{}, {"windowed": True}, {"alibi": True}], ids=["plain", "window", "alibi"])
+def test_op_attention_grouped_d64_exp2_split_between_pipes(switches, tmp_path):
+    """The grouped fused backward at D=64 (64x128 steps, 32 scores per thread) computes half of
+    each unmasked step's P on the FMA pipe: 16 MUFU there, 32 in the masked steps; with ALiBi,
+    which spilled so, every step keeps 32 (perf-notes#grouped-exp2-split)."""
+    name = configs.BACKWARD_FUSED_GROUPED
+    tables = configs.ScoreTables.ALIBI if switches.get("alibi") else configs.ScoreTables.WINDOW if switches else None
+    config = configs.candidates(name, "sm_90", 64, 2, *([tables] if tables else []))[0]
+    cubin = sass.compile_cubin(name, ct.bfloat16, 64, config, True, "sm_90", tmp_path / "k.cubin", switches)
+    text = sass.disassemble(cubin)
+    exp2_counts = sorted(loop.opcodes.count("MUFU") for loop in sass.matmul_loops(text))
+    split = not switches.get("alibi")
+    assert min(exp2_counts) == (16 if split else 32) and max(exp2_counts) >= 32, exp2_counts
+    assert sass.count_instructions(text, r"\b(LDL|STL)\b") == 0, "values in local memory"
+
+
 # One compile per switch (and a few combinations), in both orientations of the score tile.
 _SWITCHES = {
     "bias-per-row": {"bias_mode": 2},

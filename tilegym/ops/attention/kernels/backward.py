@@ -22,6 +22,7 @@ from tilegym.ops.attention.kernels.head import (
 from tilegym.ops.attention.kernels.modifiers import (
     alibi_shifted_lse,
     head_mods,
+    keeps_raw_scores,
     lifts_padded_rows,
     pre_cap_gradient,
     raw_gradient,
@@ -63,6 +64,7 @@ from tilegym.ops.attention.kernels.tiles import (
     ConstInt,
     accumulator_dtype,
     exp2,
+    exp2_split_pipes,
     load_row_stat,
     log2e,
     scale,
@@ -200,6 +202,18 @@ def _holds_dq_share(qk_split):
 
 
 @ct.function
+def _exp2_split(sum_dkdv, switches, tiling, dtype):
+    """Whether unmasked steps compute half of P on the FMA pipe (tiles.exp2_split_pipes): the
+    grouped fused backward (causal GQA) at D=64, 16-bit, without a score function, softcap or
+    ALiBi. On its 64x128 tiles that took 6% off the backward; on the ungrouped 128x128 ones a
+    half was 1-6% slower, a quarter within the spread, and with ALiBi the kernel spilled
+    (perf-notes#grouped-exp2-split)."""
+    sixteen_bits = dtype == ct.float16 or dtype == ct.bfloat16
+    plain_scores = keeps_raw_scores(switches) and not switches.alibi
+    return sum_dkdv and sixteen_bits and plain_scores and head_width(tiling.qk) == 64 and tiling.block_m == 64
+
+
+@ct.function
 def _dkdv_step(tile, q_tile, state, masked: ConstBool):
     """Adds one query tile's contribution to a key tile's dK and dV (KeyTile, KeyState).
 
@@ -243,6 +257,8 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         # and gained nothing (perf-notes#leaner-softmax-exp2); the fused kernel, at one CTA per SM,
         # gains 1-3% from it (perf-notes#fused-backward-exp2-d128).
         probs_t = ct.exp2(scores_log2(scores_t, scoring) - lse)  # [block_n, block_m]
+    elif tile.exp2_split and not masked:
+        probs_t = exp2_split_pipes(scores_log2(scores_t, scoring) - lse)
     else:
         probs_t = exp2(scores_log2(scores_t, scoring) - lse)
     if masked:
@@ -544,7 +560,7 @@ def attention_backward_dkdv_kernel(
         state = KeyState(d_key, d_value, ct.zeros((block_n, 1), acc_dtype), pending_dq, 0)
         tile = KeyTile(
             k, v, Q, dOut, LseBase2, Delta, stat_tile, DBias, DQSum, softmax_scale, b, q_head, kv_tile, cols,
-            scoring, bias_grad, sum_dq, sums_dv, sums_dk,
+            scoring, bias_grad, sum_dq, sums_dv, sums_dk, _exp2_split(sum_dkdv, switches, tiling, K.dtype),
         )  # fmt: skip
         if block_sparse:
             lists = tile_lists(MaskCounts, MaskTiles, seq, q_head)

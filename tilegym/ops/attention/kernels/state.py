@@ -208,6 +208,7 @@ class KeyTile:
     sum_dq: Value  # compile-time: the fused backward, dQ summed here
     sums_dv: Value  # compile-time: the program sums dV (its `part` is not DKDV_KEY)
     sums_dk: Value  # compile-time: the program sums dK (its `part` is not DKDV_VALUE)
+    exp2_split: Value  # compile-time: half of P on the FMA pipe in unmasked steps (backward._exp2_split)
 
 
 @dataclass(frozen=True)
