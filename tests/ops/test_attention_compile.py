@@ -177,12 +177,12 @@ def test_op_attention_grouped_d64_exp2_split_between_pipes(switches, tmp_path):
     each unmasked step's P on the FMA pipe: 16 MUFU there, 32 in the masked steps; with ALiBi,
     which spilled so, every step keeps 32 (perf-notes#grouped-exp2-split)."""
     name = configs.BACKWARD_FUSED_GROUPED
-    tables = configs.ScoreTables.ALIBI if switches.get("alibi") else configs.ScoreTables.WINDOW if switches else None
-    config = configs.candidates(name, "sm_90", 64, 2, *([tables] if tables else []))[0]
+    tables = configs.ScoreTables.ALIBI if "alibi" in switches else configs.ScoreTables.WINDOW if switches else None
+    config = configs.candidates(name, "sm_90", 64, 2, tables or configs.ScoreTables.PLAIN)[0]
     cubin = sass.compile_cubin(name, ct.bfloat16, 64, config, True, "sm_90", tmp_path / "k.cubin", switches)
     text = sass.disassemble(cubin)
     exp2_counts = sorted(loop.opcodes.count("MUFU") for loop in sass.matmul_loops(text))
-    split = not switches.get("alibi")
+    split = "alibi" not in switches
     assert min(exp2_counts) == (16 if split else 32) and max(exp2_counts) >= 32, exp2_counts
     assert sass.count_instructions(text, r"\b(LDL|STL)\b") == 0, "values in local memory"
 
@@ -384,8 +384,8 @@ def test_op_attention_packed_batches_compile(kernel, head_dim, causal, switches,
         assert sass.count_instructions(text, r"UTMACCTL\.IV") <= 2, "a descriptor built for a tile loaded once"
     if kernel == configs.BACKWARD_FUSED and head_dim == 64:
         # Statistics read at a tile index, dK and dV stored plainly: descriptors built per program
-        # for K, V, Q, dOut and the dQ sum only (perf-notes#packed-fused-plain-stores); causal,
-        # the dQ sum's twice: masked steps add dS K, the others dQ^T (perf-notes#dq-transposed).
+        # for K, V, Q, dOut and the dQ sum only (perf-notes#packed-fused-plain-stores); causal, one
+        # more since masked steps add dS K and the others dQ^T (perf-notes#dq-transposed).
         most = 6 if causal else 5
         assert sass.count_instructions(text, r"UTMACCTL\.IV") <= most, "a descriptor built for the statistics or dK, dV"
     # The backward's row statistics start each sequence at a multiple of every query tile
