@@ -69,6 +69,7 @@ from tilegym.ops.attention.kernels.tiles import (
     log2e,
     scale,
     seqlens,
+    sixteen_bits,
     store_row_stat,
 )
 from tilegym.ops.attention.kernels.user import (
@@ -208,9 +209,8 @@ def _exp2_split(sum_dkdv, switches, tiling, dtype):
     ALiBi. On its 64x128 tiles that took 6% off the backward; on the ungrouped 128x128 ones a
     half was 1-6% slower, a quarter within the spread, and with ALiBi the kernel spilled
     (perf-notes#grouped-exp2-split)."""
-    sixteen_bits = dtype == ct.float16 or dtype == ct.bfloat16
     plain_scores = keeps_raw_scores(switches) and not switches.alibi
-    return sum_dkdv and sixteen_bits and plain_scores and head_width(tiling.qk) == 64 and tiling.block_m == 64
+    return sum_dkdv and sixteen_bits(dtype) and plain_scores and head_width(tiling.qk) == 64 and tiling.block_m == 64
 
 
 @ct.function
@@ -299,7 +299,7 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
     d_scores_t = pre_cap_gradient(d_scores_t, step.capped_tanh, scoring.switches.capped)
     d_scores_t = d_scores_t.astype(q.main.dtype)
     # Masked steps (few) keep dQ = dS K: with dQ^T their loops kept values in local memory.
-    dq_key_major = tile.sum_dq and reload_q and not _holds_dq_share(tiling.qk)
+    dq_key_major = reload_q and not _holds_dq_share(tiling.qk)  # reload_q: fused, unmasked
     if dq_key_major:
         _add_dq_share_key_major(tile, q_tile, d_scores_t)
     if reload_q:

@@ -6,7 +6,7 @@ kernel compiles to the code it had without them. Window masks are in ranges.py.
 import cuda.tile as ct
 
 from tilegym.ops.attention.kernels.state import HeadMods
-from tilegym.ops.attention.kernels.tiles import ZERO_PAD, ConstBool, ConstInt, log2e, scale
+from tilegym.ops.attention.kernels.tiles import ZERO_PAD, ConstBool, ConstInt, log2e, scale, sixteen_bits
 from tilegym.ops.attention.kernels.user import score_modified, user_score_gradient, user_scored
 from tilegym.ops.attention.score_mods import BIAS_NONE, BIAS_ONE_ROW
 
@@ -108,8 +108,7 @@ def alibi_shifted(scoring, input_dtype):
     the exact distance. Offsets count from the tile's own diagonal (forward, dQ) or key tile
     (dK/dV), so far pairs, whose scores vanish, carry the large numbers."""
     switches = scoring.switches
-    sixteen_bits = input_dtype == ct.float16 or input_dtype == ct.bfloat16
-    return switches.alibi and scoring.causal and switches.user.score_mod is None and sixteen_bits
+    return switches.alibi and scoring.causal and switches.user.score_mod is None and sixteen_bits(input_dtype)
 
 
 @ct.function
@@ -217,7 +216,7 @@ def scores(raw, rows, cols, q_tile, kv_tile, input_dtype, scoring, transposed: C
     """
     mods, switches = scoring.mods, scoring.switches
     if switches.capped:
-        if input_dtype == ct.float16 or input_dtype == ct.bfloat16:
+        if sixteen_bits(input_dtype):
             # The hardware tanh is good to 2^-11, below what 16-bit inputs carry.
             capped_tanh = ct.tanh(raw * mods.softcap_in, rounding_mode=ct.RoundingMode.APPROX)
         else:

@@ -120,6 +120,12 @@ def log2e(dtype):
 
 
 @ct.function
+def sixteen_bits(dtype):
+    """Whether an input dtype is float16 or bfloat16 (a compile-time test)."""
+    return dtype == ct.float16 or dtype == ct.bfloat16
+
+
+@ct.function
 def exp2(x):
     # Flushing subnormal results to zero lets exp2 compile to the bare hardware instruction
     # (without it every element pays a range test and two predicated multiplies). A
