@@ -214,6 +214,9 @@ CASES = {
         True,
         _learned_head_tilt_in_a_window,
     ),
+    # No keys: a learned per-key bias of no entries is taken, its gradient zeros of its shape.
+    "key-bias-without-keys": (Case("no-keys", 1, 8, 1, 37, 0, 32), False, _head_and_key_bias),
+    "relative-table-without-keys": (Case("no-keys", 2, 4, 2, 19, 0, 64), True, _relative),
 }
 
 

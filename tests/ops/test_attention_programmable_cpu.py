@@ -161,6 +161,37 @@ def test_check_aux():
         programmable.check_aux((torch.tensor(3),), q, "mask_aux")
     with pytest.raises(TypeError, match="bool tensor"):
         programmable.check_aux((torch.zeros(3, dtype=torch.bool),), q, "aux")
+    empty = torch.zeros(2, 0)
+    with pytest.raises(ValueError, match=r"aux\[0\] is empty"):
+        programmable.check_aux((table, empty)[1:], q, "aux")
+    assert programmable.check_aux(empty, q, "aux", read=False) == (empty,)
+
+
+@pytest.mark.parametrize("seqlen_k, table_keys", [(0, 0), (0, 5), (3, 0)], ids=["empty-table", "table", "keys"])
+def test_aux_without_keys(seqlen_k, table_keys):
+    """A dense call without keys scores nothing and launches nothing: a per-key aux tensor of no
+    entries passes (with keys it is refused, before any launch), and the aux gradient of a
+    learnable one is zeros of its shape, not missing (torch.autograd.grad would refuse None)."""
+    from tilegym.ops.attention.caller_functions import CallerFunctions
+
+    heads, seqlen_q = 2, 4
+    key_bias = torch.randn(1, heads, 1, table_keys, dtype=torch.float32)
+    given = score_functions.additive_bias(key_bias)
+    caller = CallerFunctions.of(given["score_mod"], given["score_mod_grad"], given["aux"], given["aux_grad"],
+                                None, None, None)  # fmt: skip
+    q = torch.randn(1, heads, seqlen_q, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, heads, seqlen_k, 64, dtype=torch.bfloat16) for _ in range(2))
+    problem = AttentionProblem(1, heads, heads, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.125, False)
+    if seqlen_k > 0:
+        with pytest.raises(ValueError, match=r"aux\[0\] is empty"):
+            caller.check(q, problem, launch.NO_TENSORS, training=True, wants_aux_grad=True)
+        return
+    problem, mod_tensors = caller.check(q, problem, launch.NO_TENSORS, training=True, wants_aux_grad=True)
+    out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    grads = launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=mod_tensors)
+    (d_table,) = grads.d_aux
+    assert d_table.shape == key_bias.shape and torch.equal(d_table, torch.zeros_like(d_table))
 
 
 def test_aux_read_wide():

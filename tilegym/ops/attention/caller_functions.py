@@ -61,7 +61,7 @@ class CallerFunctions:
             self.block_mask, self.mask_mod, self.mask_aux, q, problem.batch, problem.q_heads, problem.seqlen_q,
             problem.seqlen_k, cu_seqlens,
         )  # fmt: skip
-        aux = programmable.check_aux(self.aux, q, "aux")
+        aux = programmable.check_aux(self.aux, q, "aux", read=not problem.scores_nothing)
         requires_grad = any(t.requires_grad for t in aux)
         if wants_aux_grad is None:
             # aux_grad runs (its atomic adds cost) only where some aux tensor takes a gradient.

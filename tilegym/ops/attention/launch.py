@@ -363,7 +363,7 @@ def forward(
             if lse is not None:
                 lse.fill_(-math.inf)
         return out, lse
-    if problem.seqlen_k == 0 and not problem.packing:  # no key to attend to: every row is empty
+    if problem.scores_nothing:  # dense, no key to attend to: every row is empty
         out.zero_()
         if lse is not None:
             if mod_tensors.sinks is None:
@@ -512,7 +512,8 @@ def backward(
             if gradient is not None:
                 gradient.zero_()
         d_sinks = _sinks_grad_without_keys(problem, mod_tensors, d_lse) if sinks_grad else None
-        return Gradients(dq, dk, dv, _caller_bias_grad(d_bias, problem.mods, mod_tensors), d_sinks)
+        d_bias = _caller_bias_grad(d_bias, problem.mods, mod_tensors)
+        return Gradients(dq, dk, dv, d_bias, d_sinks, _aux_gradients_without_scores(problem, mod_tensors))
     d_out, q, k, v, out = (addressable(t) for t in (d_out, q, k, v, out))
     device = q.device
     key, optional = None, _optional_tensors(mod_tensors, cu_seqlens)
@@ -559,6 +560,16 @@ def _aux_gradients(problem: AttentionProblem, mod_tensors: ModTensors, alert: bo
     if user is None or user.aux_grad is None:
         return None
     return aux_gradients.buffers(mod_tensors.aux, problem.stat_dtype, _fixed_point_aux_sums(problem, alert))
+
+
+def _aux_gradients_without_scores(problem: AttentionProblem, mod_tensors: ModTensors) -> tuple | None:
+    """The aux gradients of a backward with no work: zeros (None without an aux_grad)."""
+    d_aux = _aux_gradients(problem, mod_tensors)
+    if d_aux is None:
+        return None
+    for buffer in d_aux:
+        buffer.zero_()
+    return tuple(aux_gradients.sums(buffer) for buffer in d_aux)
 
 
 def _fixed_point_aux_sums(problem: AttentionProblem, alert: bool) -> bool:
@@ -688,8 +699,7 @@ def compile_backward_ahead(
 def _backward_is_empty(problem: AttentionProblem) -> bool:
     """Whether no program has work. A packed batch whose sequences have no keys still runs: its
     rows' statistics (and the sinks' gradient) come from the dQ kernel."""
-    no_keys = problem.seqlen_k == 0 and not problem.packing
-    return problem.is_empty or no_keys or problem.kv_heads == 0
+    return problem.scores_nothing or problem.kv_heads == 0
 
 
 def _gradients(q, k, v, problem: AttentionProblem, grads, mod_tensors: ModTensors, bias_grad: bool):

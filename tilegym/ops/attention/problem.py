@@ -88,6 +88,12 @@ class AttentionProblem:
     def is_empty(self) -> bool:
         return self.batch == 0 or self.q_heads == 0 or self.seqlen_q == 0
 
+    @property
+    def scores_nothing(self) -> bool:
+        """Whether the call computes no score and launches no kernel: no rows, or a dense batch
+        without keys (a packed batch still runs, for its rows' statistics)."""
+        return self.is_empty or (self.seqlen_k == 0 and not self.packing)
+
     def shape_key(self, arch: str) -> str:
         """Calls with equal keys share a tuned config: sequence lengths are rounded up to powers of two."""
         return (

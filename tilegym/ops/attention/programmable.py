@@ -222,8 +222,10 @@ def user_kernel(kernel, functions: UserFunctions | None):
     return copied
 
 
-def check_aux(aux, q: torch.Tensor, name: str) -> tuple[torch.Tensor, ...]:
-    """aux (a tuple or list of at most AUX_SLOTS tensors on q's device, or None) as a tuple."""
+def check_aux(aux, q: torch.Tensor, name: str, read: bool = True) -> tuple[torch.Tensor, ...]:
+    """aux (a tuple or list of at most AUX_SLOTS tensors on q's device, or None) as a tuple.
+    read: whether the kernels read them; an empty tensor is refused only then (a call that
+    scores nothing, such as one without keys, may pass a per-key table of no entries)."""
     if aux is None:
         return ()
     if isinstance(aux, torch.Tensor):
@@ -242,7 +244,7 @@ def check_aux(aux, q: torch.Tensor, name: str) -> tuple[torch.Tensor, ...]:
             raise ValueError(f"{name}[{index}] must be on q's device ({q.device}), got {tensor.device}")
         if tensor.dim() == 0:
             raise ValueError(f"{name}[{index}] must have at least one dimension (a 0-d tensor: use shape [1])")
-        if tensor.numel() == 0:
+        if read and tensor.numel() == 0:
             raise ValueError(f"{name}[{index}] is empty")
         if tensor.dtype == torch.bool:
             raise TypeError(f"{name}[{index}] is a bool tensor; pass it as torch.int8 or torch.int32")
