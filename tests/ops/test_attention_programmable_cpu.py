@@ -163,7 +163,7 @@ def test_check_aux():
         programmable.check_aux((torch.zeros(3, dtype=torch.bool),), q, "aux")
     empty = torch.zeros(2, 0)
     with pytest.raises(ValueError, match=r"aux\[0\] is empty"):
-        programmable.check_aux((table, empty)[1:], q, "aux")
+        programmable.check_aux((empty,), q, "aux")
     assert programmable.check_aux(empty, q, "aux", read=False) == (empty,)
 
 
