@@ -15,6 +15,7 @@ import torch
 
 from tests.ops import sass
 from tilegym.ops.attention import aux_gradients, block_mask, configs, launch, programmable, score_functions
+from tilegym.ops.attention.caller_functions import CallerFunctions
 from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ScoreMods
 from tilegym.ops.attention.variants import (
@@ -172,8 +173,6 @@ def test_aux_without_keys(seqlen_k, table_keys):
     """A dense call without keys scores nothing and launches nothing: a per-key aux tensor of no
     entries passes (with keys it is refused, before any launch), and the aux gradient of a
     learnable one is zeros of its shape, not missing (torch.autograd.grad would refuse None)."""
-    from tilegym.ops.attention.caller_functions import CallerFunctions
-
     heads, seqlen_q = 2, 4
     key_bias = torch.randn(1, heads, 1, table_keys, dtype=torch.float32)
     given = score_functions.additive_bias(key_bias)
