@@ -147,6 +147,17 @@ def _key_padding(case, dtype):
     return sf.key_padding(lengths), {"attn_bias": lambda _: _hide(visible[:, None, None, :])}, []
 
 
+def _key_is_valid(b, h, q_idx, kv_idx, mask_aux):
+    return ct.gather(mask_aux[0], (b, kv_idx)) != 0
+
+
+def _valid_keys(case, dtype):
+    """A mask from a per-key table (int32 [B, Sk], nonzero: the key is seen), empty without keys."""
+    flags = (torch.rand(case.batch, case.seqlen_k, device="cuda") < 0.7).to(torch.int32)
+    visible = flags[:, None, None, :] != 0
+    return {"mask_mod": _key_is_valid, "mask_aux": (flags,)}, {"attn_bias": lambda _: _hide(visible)}, []
+
+
 def _relative_in_documents(case, dtype):
     ours, ref, learnable = _relative(case, dtype)
     doc_ours, doc_ref, _ = _documents(case, dtype)
@@ -217,6 +228,9 @@ CASES = {
     # No keys: a learned per-key bias of no entries is taken, its gradient zeros of its shape.
     "key-bias-without-keys": (Case("no-keys", 1, 8, 1, 37, 0, 32), False, _head_and_key_bias),
     "relative-table-without-keys": (Case("no-keys", 2, 4, 2, 19, 0, 64), True, _relative),
+    # A mask read from a per-key table: with keys, and without (its table of no entries is taken).
+    "valid-keys-sq-lt-sk": (Case("sq-lt-sk", 2, 4, 2, 100, 300, 64), False, _valid_keys),
+    "valid-keys-without-keys": (Case("no-keys", 2, 4, 2, 37, 0, 64), True, _valid_keys),
 }
 
 

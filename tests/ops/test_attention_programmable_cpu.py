@@ -193,6 +193,45 @@ def test_aux_without_keys(seqlen_k, table_keys):
     assert d_table.shape == key_bias.shape and torch.equal(d_table, torch.zeros_like(d_table))
 
 
+def _same_document(b, h, q_idx, kv_idx, mask_aux):
+    return ct.gather(mask_aux[0], q_idx) == ct.gather(mask_aux[1], kv_idx)
+
+
+@pytest.mark.parametrize(
+    "batch, seqlen_q, seqlen_k",
+    [(1, 4, 0), (0, 4, 4), (1, 0, 4), (1, 4, 4)],
+    ids=["no-keys", "no-batch", "no-rows", "scores"],
+)
+def test_mask_aux_of_calls_without_scores(batch, seqlen_q, seqlen_k):
+    """A mask whose per-query and per-key tables follow the call's lengths: a dense call that
+    scores nothing (no keys, no rows, a batch of none) passes its empty tables and runs nothing,
+    output zeros, LSE -inf, zero gradients; a call that scores refuses an empty one before any
+    launch. create_block_mask takes the same tables for its sizes."""
+    heads = 2
+    query_docs = torch.randint(0, 3, (seqlen_q,), dtype=torch.int32)
+    key_docs = torch.randint(0, 3, (seqlen_k,), dtype=torch.int32)
+    q = torch.randn(batch, heads, seqlen_q, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, heads, seqlen_k, 64, dtype=torch.bfloat16) for _ in range(2))
+    problem = AttentionProblem(batch, heads, heads, seqlen_q, seqlen_k, 64, torch.bfloat16, 0.125, True)
+    mask_aux = (query_docs, key_docs if problem.scores_nothing else key_docs[:0])
+    caller = CallerFunctions.of(None, None, None, None, _same_document, mask_aux, None)
+    if not problem.scores_nothing:
+        with pytest.raises(ValueError, match=r"mask_aux\[1\] is empty"):
+            caller.check(q, problem, launch.NO_TENSORS, training=True)
+        with pytest.raises(ValueError, match=r"mask_aux\[1\] is empty"):
+            block_mask.create_block_mask(_same_document, None, None, seqlen_q, seqlen_k, "cpu", mask_aux)
+        return
+    made = block_mask.create_block_mask(_same_document, None, None, seqlen_q, seqlen_k, "cpu", mask_aux)
+    assert made.shape == (1, 1, seqlen_q, seqlen_k)
+    problem, mod_tensors = caller.check(q, problem, launch.NO_TENSORS, training=True)
+    assert mod_tensors.block_mask.shape == (batch, heads, seqlen_q, seqlen_k)
+    out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
+    assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    grads = launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=mod_tensors)
+    for grad, given in zip((grads.dq, grads.dk, grads.dv), (q, k, v)):
+        assert grad.shape == given.shape and torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_aux_read_wide():
     """The backward's view of aux tensors where aux_grad runs: 16-bit floats as float32 copies
     of the same values, other tensors as they are."""

@@ -16,6 +16,7 @@ import torch
 
 from tilegym.ops.attention import programmable
 from tilegym.ops.attention.packing import CuSeqlens, check_cu_seqlens
+from tilegym.ops.attention.problem import sizes_score_nothing
 from tilegym.ops.attention.programmable import UserFunctions
 
 # Tile kinds, as the classifying kernel writes them (kernels/block_mask.py).
@@ -147,8 +148,7 @@ def create_block_mask(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if not isinstance(mask_mod, type(create_block_mask)):
-        raise TypeError(f"mask_mod must be a Python function (def or lambda), got {type(mask_mod).__name__}")
+    _check_mask_mod(mask_mod)
     sizes = {}
     for name, value, optional in (("B", B, True), ("H", H, True), ("Q_LEN", Q_LEN, False), ("KV_LEN", KV_LEN, False)):
         if value is None and optional:
@@ -156,11 +156,24 @@ def create_block_mask(
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if optional else 0):
             raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
         sizes[name] = value
-    probe = torch.empty(0, device=device)
-    mask_aux = programmable.check_aux(mask_aux, probe, "mask_aux")
-    cu_seqlens = _packed_lengths(cu_seqlens_q, cu_seqlens_k, B, probe)
+    cu_seqlens = _packed_lengths(cu_seqlens_q, cu_seqlens_k, B, torch.empty(0, device=device))
     batch = sizes["B"] if cu_seqlens is None else cu_seqlens.q.numel() - 1
-    return BlockMask(mask_mod, batch, sizes["H"], sizes["Q_LEN"], sizes["KV_LEN"], mask_aux, device, cu_seqlens)
+    return _block_mask(mask_mod, batch, sizes["H"], sizes["Q_LEN"], sizes["KV_LEN"], mask_aux, device, cu_seqlens)
+
+
+def _check_mask_mod(mask_mod) -> None:
+    if not isinstance(mask_mod, type(create_block_mask)):
+        raise TypeError(f"mask_mod must be a Python function (def or lambda), got {type(mask_mod).__name__}")
+
+
+def _block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, mask_aux, device, cu_seqlens) -> BlockMask:
+    """A BlockMask of checked sizes and lengths, with mask_mod and mask_aux checked. An empty
+    mask_aux tensor (a per-key table without keys) is refused only where a call the mask serves
+    scores something: otherwise no kernel reads it, the tiles' sort included."""
+    _check_mask_mod(mask_mod)
+    read = not sizes_score_nothing(batch, heads, seqlen_q, seqlen_k, packed=cu_seqlens is not None)
+    mask_aux = programmable.check_aux(mask_aux, torch.empty(0, device=device), "mask_aux", read=read)
+    return BlockMask(mask_mod, batch, heads, seqlen_q, seqlen_k, mask_aux, device, cu_seqlens)
 
 
 def _packed_lengths(cu_seqlens_q, cu_seqlens_k, batch, probe) -> CuSeqlens | None:
@@ -193,8 +206,8 @@ def check_block_mask(
             if mask_aux is not None:
                 raise ValueError("mask_aux is given without mask_mod or block_mask")
             return None
-        lengths = {} if cu_seqlens is None else {"cu_seqlens_q": cu_seqlens.q, "cu_seqlens_k": cu_seqlens.k}
-        return create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, q.device, mask_aux, **lengths)
+        # The call's own sizes, which may be empty (a batch of none), and its lengths, checked.
+        return _block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, mask_aux, q.device, cu_seqlens)
     if mask_mod is not None or mask_aux is not None:
         raise ValueError("give either block_mask or mask_mod (with mask_aux), not both: a block mask holds its own")
     if not isinstance(block_mask, BlockMask):

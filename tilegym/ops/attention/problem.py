@@ -31,6 +31,12 @@ class Packing:
     total_k: int
 
 
+def sizes_score_nothing(batch: int, q_heads: int, seqlen_q: int, seqlen_k: int, packed: bool) -> bool:
+    """Whether a call of these sizes computes no score and launches no kernel: no rows, or a
+    dense batch without keys (a packed batch still runs, for its rows' statistics)."""
+    return batch == 0 or q_heads == 0 or seqlen_q == 0 or (seqlen_k == 0 and not packed)
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
     """Validated sizes of one attention call."""
@@ -90,9 +96,8 @@ class AttentionProblem:
 
     @property
     def scores_nothing(self) -> bool:
-        """Whether the call computes no score and launches no kernel: no rows, or a dense batch
-        without keys (a packed batch still runs, for its rows' statistics)."""
-        return self.is_empty or (self.seqlen_k == 0 and not self.packing)
+        """Whether the call computes no score and launches no kernel (sizes_score_nothing)."""
+        return sizes_score_nothing(self.batch, self.q_heads, self.seqlen_q, self.seqlen_k, self.packing is not None)
 
     def shape_key(self, arch: str) -> str:
         """Calls with equal keys share a tuned config: sequence lengths are rounded up to powers of two."""
