@@ -228,7 +228,7 @@ def test_mask_aux_of_calls_without_scores(batch, seqlen_q, seqlen_k):
     out, lse = launch.forward(q, k, v, problem, with_lse=True, mod_tensors=mod_tensors)
     assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     grads = launch.backward(torch.randn_like(out), q, k, v, out, lse, problem, mod_tensors=mod_tensors)
-    for grad, given in zip((grads.dq, grads.dk, grads.dv), (q, k, v)):
+    for grad, given in zip((grads.dq, grads.dk, grads.dv), (q, k, v), strict=True):
         assert grad.shape == given.shape and torch.equal(grad, torch.zeros_like(grad))
 
 
