@@ -1,0 +1,219 @@
+"""tilegym attention inside Hugging Face transformers models built from tiny configs (no
+downloads), against the same models and weights on transformers' eager attention: logits at
+every non-padded position and the gradients of every parameter.
+
+Without a GPU the models run on the CPU with the kernels replaced by the float64 reference
+(_reference_attention), which checks how each layer's call is translated (masks, windows,
+packing, sinks, softcap, scaling) whatever the hardware; with one, the kernels run.
+"""
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.ops.conftest import requires_cuda  # noqa: E402
+from tilegym.integrations import huggingface  # noqa: E402
+from tilegym.ops.attention.reference import attention_reference  # noqa: E402
+
+VOCAB = 97
+_COMMON = {
+    "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
+    "attention_dropout": 0.0,
+}  # fmt: skip
+
+
+def _config(family: str):
+    if family == "llama":
+        return transformers.LlamaConfig(**_COMMON)
+    if family == "mistral":  # a sliding window on every layer
+        return transformers.MistralConfig(**_COMMON, sliding_window=8)
+    if family == "gemma2":  # softcapping, its own scaling, sliding and full layers
+        return transformers.Gemma2Config(
+            **_COMMON, attn_logit_softcapping=20.0, sliding_window=8, query_pre_attn_scalar=24
+        )
+    if family == "gpt_oss":  # learned sinks, sliding and full layers
+        return transformers.GptOssConfig(**_COMMON, sliding_window=8, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(family)
+
+
+FAMILIES = ["llama", "mistral", "gemma2", "gpt_oss"]
+
+
+def _models(family: str, dtype, device):
+    """(ours, eager) with the same weights."""
+    huggingface.register()
+    torch.manual_seed(0)
+    # A config each: from_config sets the attention implementation on the config it is given.
+    eager = transformers.AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    if family == "gpt_oss":  # sinks start at zero: make them matter
+        for layer in eager.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    eager = eager.to(device=device, dtype=dtype).train()
+    ours = transformers.AutoModelForCausalLM.from_config(_config(family), attn_implementation=huggingface.NAME)
+    ours.load_state_dict(eager.state_dict())
+    assert (ours.config._attn_implementation, eager.config._attn_implementation) == (huggingface.NAME, "eager")
+    return ours.to(device=device, dtype=dtype).train(), eager
+
+
+def _batch(scenario: str, device) -> tuple[dict, torch.Tensor]:
+    """(the model's inputs, bool [B, S]: the positions whose logits count)."""
+    generator = torch.Generator().manual_seed(1)
+    if scenario in ("plain", "left-padding", "right-padding"):
+        ids = torch.randint(0, VOCAB, (3, 21), generator=generator)
+        valid = torch.ones(ids.shape, dtype=torch.bool)
+        if scenario == "left-padding":
+            valid[1, :6], valid[2, :17] = False, False
+        elif scenario == "right-padding":
+            valid[0, 15:], valid[2, 3:] = False, False
+        inputs = {"input_ids": ids}
+        if scenario != "plain":
+            inputs["attention_mask"] = valid.long()
+        return {name: t.to(device) for name, t in inputs.items()}, valid.to(device)
+    lengths = [7, 11, 1, 13]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    inputs = {"input_ids": ids, "position_ids": positions}
+    if scenario == "packed-flash-kwargs":  # as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        inputs = {"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+        inputs |= {"max_length_q": max(lengths), "max_length_k": max(lengths)}
+    moved = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
+    return moved, torch.ones(ids.shape, dtype=torch.bool, device=device)
+
+
+SCENARIOS = ["plain", "left-padding", "right-padding", "packed-position-ids", "packed-flash-kwargs"]
+
+
+def _eager_run(eager, scenario, inputs):
+    """The eager model's logits. A batch packed by FlashAttention's keyword arguments alone is
+    beyond eager attention (it would attend across sequences): each sequence runs by itself."""
+    if scenario != "packed-flash-kwargs":
+        return eager(**inputs).logits
+    cu = inputs["cu_seq_lens_q"].tolist()
+    ids = inputs["input_ids"]
+    pieces = [eager(input_ids=ids[:, start:end]).logits for start, end in zip(cu[:-1], cu[1:], strict=True)]
+    return torch.cat(pieces, dim=1)
+
+
+def _compare(family, scenario, dtype, device, logits_tolerance, grad_tolerance):
+    ours, eager = _models(family, dtype, device)
+    inputs, valid = _batch(scenario, device)
+    weights = torch.randn(*valid.shape, VOCAB, dtype=dtype, device=device) * valid[..., None]
+    results = []
+    for model, run in ((ours, lambda: ours(**inputs).logits), (eager, lambda: _eager_run(eager, scenario, inputs))):
+        logits = run()
+        grads = torch.autograd.grad((logits * weights).sum(), [p for p in model.parameters() if p.requires_grad])
+        results.append((logits, grads))
+    (our_logits, our_grads), (eager_logits, eager_grads) = results
+    assert _relative_rms(our_logits[valid], eager_logits[valid]) < logits_tolerance
+    names = [name for name, p in ours.named_parameters() if p.requires_grad]
+    for name, mine, theirs in zip(names, our_grads, eager_grads, strict=True):
+        assert _relative_rms(mine, theirs) < grad_tolerance, name
+
+
+def _compare_decoding(family, dtype, device, logits_tolerance):
+    """Generation with a cache from a left-padded prompt: the prefill, then steps of one query
+    fed the eager model's greedy tokens, each step's logits compared."""
+    ours, eager = _models(family, dtype, device)
+    inputs, valid = _batch("left-padding", device)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    caches = [transformers.DynamicCache(config=model.config) for model in (ours, eager)]
+    with torch.no_grad():
+        for step in range(5):
+            logits = [
+                model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+                for model, cache in zip((ours, eager), caches, strict=True)
+            ]
+            assert _relative_rms(*logits) < logits_tolerance, step
+            ids = logits[1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+
+
+def _relative_rms(ours: torch.Tensor, expected: torch.Tensor) -> float:
+    error = (ours.double() - expected.double()).pow(2).mean().sqrt()
+    scale = expected.double().pow(2).mean().sqrt()
+    return (error / scale).item() if scale > 0 else error.item()
+
+
+# ---- the translation, checked on the CPU against the reference ---------------------------------
+
+
+def _reference_attention(q, k, v, scaling=None, is_causal=True, **kwargs):
+    """tile_fmha_functional's meaning in float64 for the arguments attention_forward passes: dense
+    or packed, window, softcap, sinks, attn_bias and its two mask functions."""
+    cu_q, cu_k = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None)
+    kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None)
+    if cu_q is not None:
+        pieces = []
+        for s in range(cu_q.numel() - 1):
+            rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+            one = (t[span].transpose(0, 1)[None] for t, span in ((q, rows), (k, keys), (v, keys)))
+            pieces.append(_reference_attention(*one, scaling, is_causal, **kwargs)[0].transpose(0, 1))
+        return torch.cat(pieces)
+    mask_mod, mask_aux = kwargs.pop("mask_mod", None), kwargs.pop("mask_aux", None)
+    score_mod = None
+    if mask_mod is not None:
+        seen = mask_aux[0].bool()
+        seen = seen[:, None] if mask_mod is huggingface._seen_by_batch_entry else seen
+        score_mod = lambda scores, b, h, i, j: scores.masked_fill(~seen, -math.inf)  # noqa: E731
+    out, _ = attention_reference(q, k, v, scaling, is_causal, score_mod=score_mod, **kwargs)
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_translation_matches_eager(family, scenario, monkeypatch):
+    monkeypatch.setattr(huggingface, "tile_fmha_functional", _reference_attention)
+    _compare(family, scenario, torch.float32, "cpu", 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_translation_matches_eager_decoding(family, monkeypatch):
+    monkeypatch.setattr(huggingface, "tile_fmha_functional", _reference_attention)
+    _compare_decoding(family, torch.float32, "cpu", 1e-5)
+
+
+def test_refusals():
+    """Attention dropout and a position bias are refused, naming what to change."""
+    q = torch.randn(1, 2, 4, 32)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="attention dropout"):
+        huggingface.attention_forward(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="position bias"):
+        huggingface.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \[1 or 1, 1 or 2, 4, 4\]"):
+        huggingface.attention_forward(module, q, q, q, torch.ones(1, 1, 4, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="packed into one row"):
+        cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+        q2 = torch.randn(2, 2, 4, 32)
+        huggingface.attention_forward(module, q2, q2, q2, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_register_names_both_interfaces():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert huggingface.register("tilegym-test") == "tilegym-test"
+    assert AttentionInterface._global_mapping["tilegym-test"] is huggingface.attention_forward
+    assert AttentionMaskInterface._global_mapping["tilegym-test"] is huggingface.attention_mask
+
+
+# ---- the kernels -------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_op_huggingface_models(family, scenario):
+    """float32 models on the kernels against eager attention in float32."""
+    _compare(family, scenario, torch.float32, "cuda", 2e-3, 5e-3)
+
+
+@requires_cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_op_huggingface_decoding(family):
+    _compare_decoding(family, torch.float32, "cuda", 2e-3)

@@ -1,0 +1,2 @@
+"""Our kernels inside other libraries: huggingface (transformers' attention implementations).
+Each module imports its library only when used."""

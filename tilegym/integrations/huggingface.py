@@ -1,0 +1,181 @@
+"""Our attention as an attention implementation of Hugging Face transformers (5.x).
+
+    import tilegym.integrations.huggingface as tilegym_hf
+
+    tilegym_hf.register()  # once per process: the name "tilegym"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="tilegym")
+
+A model then calls attention_forward in every attention layer, in training and generation.
+Its masks are transformers' own SDPA masks (masking_utils.sdpa_mask): where SDPA would skip the
+mask (causal or bidirectional attention without padding) the call runs plain attention; where a
+mask is made (padding, sequences packed by position_ids, sliding or chunked windows, a model's
+own overlays) the mask is read as a mask function, so its empty tiles are skipped and only tiles
+it cuts are evaluated pair by pair. Each layer computes what SDPA computes from the same mask,
+except that a query row that sees no key (a padded row) gives zeros.
+
+Batches packed by a collator that passes FlashAttention's keyword arguments (cu_seq_lens_q,
+cu_seq_lens_k, max_length_q, max_length_k; e.g. DataCollatorWithFlattening with
+return_flash_attn_kwargs=True) run the packed variable-length kernels when the model made no
+mask. Softcapping (Gemma 2), attention sinks (gpt-oss), sliding windows, GQA and the model's
+scaling are passed to the kernels. Attention dropout is refused (the kernels have none), as is a
+position bias (T5).
+"""
+
+import warnings
+
+import cuda.tile as ct
+import torch
+
+from tilegym.ops.attention.api import tile_fmha_functional
+
+NAME = "tilegym"
+
+
+def register(name: str = NAME) -> str:
+    """Registers attention_forward and its mask function under name with transformers; returns
+    the name, for ``attn_implementation=``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+def attention_mask(*args, **kwargs):
+    """transformers' SDPA mask: 4D bool (True: seen), or None where SDPA would rely on is_causal.
+    A row that sees no key (a padded query) gives zeros."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """One attention layer's call, as transformers makes it: query ``[B, Hq, Sq, D]``, key and
+    value ``[B, Hkv, Sk, D]`` (and Dv), attention_mask from attention_mask above (or the caller's
+    own 4D mask: bool, True seen, or additive float). Returns ``([B, Sq, Hq, Dv], None)``."""
+    if dropout:
+        raise ValueError(
+            f"attention dropout ({dropout}) is not supported by tilegym attention; set the model's attention "
+            "dropout to 0 (e.g. config.attention_dropout = 0.0)"
+        )
+    if position_bias is not None:
+        raise ValueError("a position bias (T5-style position_bias) is not supported by tilegym attention")
+    if kwargs.get("output_attentions"):
+        warnings.warn("tilegym attention returns no attention weights (output_attentions)", stacklevel=2)
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    modifiers = {"softcap": softcap, "sinks": s_aux}
+    cu_seqlens_q, cu_seqlens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    packed = cu_seqlens_q is not None and cu_seqlens_k is not None
+    if packed and query.shape[0] != 1:
+        raise ValueError(
+            f"cu_seq_lens_q and cu_seq_lens_k describe a batch packed into one row; the batch has {query.shape[0]}"
+        )
+    if attention_mask is None and packed:
+        out = _packed(query, key, value, scaling, causal, _window(sliding_window, causal), modifiers, kwargs)
+        return out, None
+    if packed:
+        # A mask made over the whole packed row (a sliding window, say) does not know the
+        # sequences: a pair is seen where both the mask and the packing allow it.
+        same = _same_sequence(cu_seqlens_q, cu_seqlens_k, query.shape[2], key.shape[2])
+        is_bool = attention_mask.dtype == torch.bool
+        attention_mask = attention_mask & same if is_bool else attention_mask.masked_fill(~same, -torch.inf)
+    if attention_mask is None:
+        # As SDPA runs it without a mask: causal only for several queries, and a causal prefill
+        # into a longer (static) cache reads only the first Sq keys (SDPA's causal mask is
+        # top-left aligned; ours, bottom-right, agrees once Sk = Sq).
+        seqlen_q = query.shape[2]
+        causal = causal and seqlen_q > 1
+        if causal and key.shape[2] > seqlen_q:
+            key, value = key[:, :, :seqlen_q], value[:, :, :seqlen_q]
+        window = _window(sliding_window, causal)
+        out = tile_fmha_functional(query, key, value, scaling, causal, window_size=window, **modifiers)
+    else:
+        # The mask holds the causal rule, the window and the padding: it alone decides.
+        out = tile_fmha_functional(
+            query, key, value, scaling, False, **modifiers, **_as_mask(attention_mask, query, key)
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _window(sliding_window: int | None, causal: bool):
+    """transformers' sliding window (a query sees the last sliding_window keys, itself included)
+    as window_size (left, right); None: no window."""
+    if sliding_window is None:
+        return None
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def _packed(query, key, value, scaling, causal, window, modifiers, kwargs) -> torch.Tensor:
+    """A batch of one row packing several sequences, by FlashAttention's keyword arguments, as
+    [1, total, Hq, Dv]."""
+    cu_seqlens_q, cu_seqlens_k = (kwargs[name].to(torch.int32) for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    # A length given as a tensor costs one host synchronisation, as in FlashAttention's path.
+    max_seqlen_q = _longest(kwargs.get("max_length_q"), cu_seqlens_q)
+    max_seqlen_k = _longest(kwargs.get("max_length_k"), cu_seqlens_k)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, D], views
+    out = tile_fmha_functional(
+        q, k, v, scaling, causal, window_size=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **modifiers,
+    )  # fmt: skip
+    return out[None]
+
+
+def _same_sequence(cu_seqlens_q, cu_seqlens_k, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """bool [Sq, Sk]: whether query row i and key row j belong to one packed sequence (rows past
+    the last sequence belong to none)."""
+
+    def sequence_of(cu_seqlens, rows):
+        positions = torch.arange(rows, device=cu_seqlens.device)
+        found = torch.searchsorted(cu_seqlens.to(torch.int64), positions, right=True) - 1
+        return torch.where(positions < cu_seqlens[-1], found, -1)
+
+    of_query, of_key = sequence_of(cu_seqlens_q, seqlen_q), sequence_of(cu_seqlens_k, seqlen_k)
+    return (of_query[:, None] == of_key[None, :]) & (of_query[:, None] >= 0)
+
+
+def _longest(given, cu_seqlens: torch.Tensor) -> int:
+    if given is None:
+        return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    return int(given)
+
+
+def _as_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> dict:
+    """Keyword arguments that apply a 4D mask ``[B or 1, 1 or Hq, Sq, Sk]``: a bool one as a mask
+    function reading it (its tiles sorted once per call: empty ones skipped), an additive float
+    one as attn_bias."""
+    (batch, heads, seqlen_q), seqlen_k = query.shape[:3], key.shape[2]
+    fits = mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads)
+    if not fits or tuple(mask.shape[2:]) != (seqlen_q, seqlen_k):
+        raise ValueError(
+            f"attention_mask must have shape [1 or {batch}, 1 or {heads}, {seqlen_q}, {seqlen_k}], "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        return {"attn_bias": mask}
+    seen = mask.expand(batch, *mask.shape[1:]).view(torch.int8)
+    if seen.shape[1] == 1:
+        return {"mask_mod": _seen_by_batch_entry, "mask_aux": (seen[:, 0],)}
+    return {"mask_mod": _seen_by_head, "mask_aux": (seen,)}
+
+
+def _seen_by_batch_entry(b, h, q_idx, kv_idx, mask_aux):
+    return ct.gather(mask_aux[0], (b, q_idx, kv_idx)) != 0
+
+
+def _seen_by_head(b, h, q_idx, kv_idx, mask_aux):
+    return ct.gather(mask_aux[0], (b, h, q_idx, kv_idx)) != 0
