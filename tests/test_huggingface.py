@@ -60,7 +60,8 @@ def _models(family: str, dtype, device):
 
 
 def _batch(scenario: str, device) -> tuple[dict, torch.Tensor]:
-    """(the model's inputs, bool [B, S]: the positions whose logits count)."""
+    """(the model's inputs, bool [B, S]: the positions whose logits count). Training calls: no
+    cache (transformers reads packing from position_ids only without one)."""
     generator = torch.Generator().manual_seed(1)
     if scenario in ("plain", "left-padding", "right-padding"):
         ids = torch.randint(0, VOCAB, (3, 21), generator=generator)
@@ -69,20 +70,23 @@ def _batch(scenario: str, device) -> tuple[dict, torch.Tensor]:
             valid[1, :6], valid[2, :17] = False, False
         elif scenario == "right-padding":
             valid[0, 15:], valid[2, 3:] = False, False
-        inputs = {"input_ids": ids}
+        inputs = {"input_ids": ids, "use_cache": False}
         if scenario != "plain":
             inputs["attention_mask"] = valid.long()
-        return {name: t.to(device) for name, t in inputs.items()}, valid.to(device)
+        return {name: _to(t, device) for name, t in inputs.items()}, valid.to(device)
     lengths = [7, 11, 1, 13]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=generator)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    inputs = {"input_ids": ids, "position_ids": positions}
+    inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
     if scenario == "packed-flash-kwargs":  # as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        inputs = {"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+        inputs = {"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "use_cache": False}
         inputs |= {"max_length_q": max(lengths), "max_length_k": max(lengths)}
-    moved = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
-    return moved, torch.ones(ids.shape, dtype=torch.bool, device=device)
+    return {name: _to(t, device) for name, t in inputs.items()}, torch.ones(ids.shape, dtype=torch.bool, device=device)
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 SCENARIOS = ["plain", "left-padding", "right-padding", "packed-position-ids", "packed-flash-kwargs"]
@@ -95,7 +99,9 @@ def _eager_run(eager, scenario, inputs):
         return eager(**inputs).logits
     cu = inputs["cu_seq_lens_q"].tolist()
     ids = inputs["input_ids"]
-    pieces = [eager(input_ids=ids[:, start:end]).logits for start, end in zip(cu[:-1], cu[1:], strict=True)]
+    pieces = [
+        eager(input_ids=ids[:, start:end], use_cache=False).logits for start, end in zip(cu[:-1], cu[1:], strict=True)
+    ]
     return torch.cat(pieces, dim=1)
 
 
@@ -144,7 +150,8 @@ def _relative_rms(ours: torch.Tensor, expected: torch.Tensor) -> float:
 
 def _reference_attention(q, k, v, scaling=None, is_causal=True, **kwargs):
     """tile_fmha_functional's meaning in float64 for the arguments attention_forward passes: dense
-    or packed, window, softcap, sinks, attn_bias and its two mask functions."""
+    or packed, window, softcap, sinks, attn_bias and its two mask functions (given as mask_mod or
+    in a block mask)."""
     cu_q, cu_k = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None)
     kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None)
     if cu_q is not None:
@@ -155,6 +162,9 @@ def _reference_attention(q, k, v, scaling=None, is_causal=True, **kwargs):
             pieces.append(_reference_attention(*one, scaling, is_causal, **kwargs)[0].transpose(0, 1))
         return torch.cat(pieces)
     mask_mod, mask_aux = kwargs.pop("mask_mod", None), kwargs.pop("mask_aux", None)
+    block_mask = kwargs.pop("block_mask", None)
+    if block_mask is not None:
+        mask_mod, mask_aux = block_mask.mask_mod, block_mask.mask_aux
     score_mod = None
     if mask_mod is not None:
         seen = mask_aux[0].bool()
@@ -193,6 +203,77 @@ def test_refusals():
         huggingface.attention_forward(module, q2, q2, q2, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
+def test_block_masks_kept_per_mask_tensor(monkeypatch):
+    """A mask's block mask is made once for all layers of a step (the model passes them one mask
+    tensor), sorted per batch entry of the mask alone (not per head), and made again for a new
+    mask, an in-place change of it, or other call sizes."""
+    made = []
+    real = huggingface.create_block_mask
+    monkeypatch.setattr(huggingface, "create_block_mask", lambda *a, **k: made.append(a[1:3]) or real(*a, **k))
+    monkeypatch.setattr(huggingface, "tile_fmha_functional", _reference_attention)
+    huggingface._BLOCK_MASKS.clear()
+    ours, _ = _models("llama", torch.float32, "cpu")
+    inputs, _ = _batch("left-padding", "cpu")
+    ours(**inputs)
+    assert made == [(3, None)]  # two layers, one mask of 3 entries, heads broadcast
+    q = torch.randn(1, 2, 4, 32)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    first = huggingface._as_mask(mask, q, q)["block_mask"]
+    assert huggingface._as_mask(mask, q, q)["block_mask"] is first
+    mask[0, 0, 3, 0] = False  # in place: a new version
+    assert huggingface._as_mask(mask, q, q)["block_mask"] is not first
+    assert huggingface._as_mask(mask, torch.randn(1, 2, 4, 32), torch.randn(1, 2, 4, 32))["block_mask"] is not None
+    assert len(huggingface._BLOCK_MASKS) <= huggingface._PerMask.KEPT
+
+
+# gpt-oss's masks in transformers do not follow a packing by position_ids (its full layers get no
+# mask, its sliding ones a window across sequences): its calls read them as they are.
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_masks_of_packed_position_ids_run_the_packed_kernels(family, monkeypatch):
+    """Sequences packed by position_ids: every layer's mask (causal, and windowed in sliding
+    layers) is the packing's own, so every call runs the packed kernels."""
+    packed_calls = []
+
+    def spy(*args, **kwargs):
+        packed_calls.append("cu_seqlens_q" in kwargs)
+        return _reference_attention(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface, "tile_fmha_functional", spy)
+    huggingface._PACKINGS.clear()
+    ours, _ = _models(family, torch.float32, "cpu")
+    ours(**_batch("packed-position-ids", "cpu")[0])
+    assert len(packed_calls) == ours.config.num_hidden_layers and all(packed_calls)
+
+
+@pytest.mark.parametrize("change", ["exact", "one-pair-hidden", "one-pair-shown", "positions-differ"])
+def test_a_mask_other_than_the_packing_is_read(change, monkeypatch):
+    """Only a mask equal to the packing's own runs the packed kernels; any other is read as a
+    mask. Either way the output is the reference's for that mask."""
+    kinds = []
+
+    def spy(*args, **kwargs):
+        kinds.append("packed" if "cu_seqlens_q" in kwargs else "mask")
+        return _reference_attention(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface, "tile_fmha_functional", spy)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    sequence = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    mask = (sequence[:, None] == sequence[None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
+    if change == "one-pair-hidden":
+        mask[6, 4] = False
+    elif change == "one-pair-shown":
+        mask[4, 1] = True
+    elif change == "positions-differ":
+        positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    q, k, v = (torch.randn(1, 2, 8, 32) for _ in range(3))
+    module = torch.nn.Module()
+    out, _ = huggingface.attention_forward(module, q, k, v, mask[None, None], position_ids=positions)
+    assert kinds == ["packed" if change == "exact" else "mask"]
+    hide = lambda scores, b, h, i, j: scores.masked_fill(~mask, -math.inf)  # noqa: E731
+    expected, _ = attention_reference(q, k, v, None, False, score_mod=hide)
+    torch.testing.assert_close(out, expected.float().transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
 def test_register_names_both_interfaces():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -217,3 +298,21 @@ def test_op_huggingface_models(family, scenario):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_op_huggingface_decoding(family):
     _compare_decoding(family, torch.float32, "cuda", 2e-3)
+
+
+@requires_cuda
+def test_op_huggingface_under_torch_compile():
+    """A padded batch through torch.compile of the model (its masks as mask functions in the
+    graph) against eager attention: logits and gradients."""
+    ours, eager = _models("llama", torch.float32, "cuda")
+    inputs, valid = _batch("left-padding", "cuda")
+    compiled = torch.compile(ours)
+    weights = torch.randn(*valid.shape, VOCAB, device="cuda") * valid[..., None]
+    results = []
+    for model, run in ((ours, lambda: compiled(**inputs).logits), (eager, lambda: eager(**inputs).logits)):
+        logits = run()
+        results.append((logits, torch.autograd.grad((logits * weights).sum(), list(model.parameters()))))
+    (mine, my_grads), (theirs, their_grads) = results
+    assert _relative_rms(mine[valid], theirs[valid]) < 2e-3
+    for ours_grad, eager_grad in zip(my_grads, their_grads, strict=True):
+        assert _relative_rms(ours_grad, eager_grad) < 5e-3

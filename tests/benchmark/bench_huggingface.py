@@ -48,17 +48,18 @@ def _inputs(scenario: str, tokens: int, seqlen: int, vocab: int):
     if scenario in ("causal", "left-padding"):
         rows = tokens // seqlen
         ids = torch.randint(0, vocab, (rows, seqlen), generator=generator)
-        inputs = {"input_ids": ids, "labels": ids.clone()}
+        inputs = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
         if scenario == "left-padding":
             mask = torch.ones_like(ids)
             for row in range(rows):
                 mask[row, : seqlen * row // rows] = 0
             inputs["attention_mask"] = mask
             inputs["labels"] = ids.masked_fill(mask == 0, -100)
-        return {name: t.cuda() for name, t in inputs.items()}
+        return {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
     lengths = _lengths(tokens, seqlen)
     ids = torch.randint(0, vocab, (1, tokens), generator=generator)
-    inputs = {"input_ids": ids.cuda(), "labels": ids.cuda()}
+    # No cache: transformers reads packing from position_ids only without one.
+    inputs = {"input_ids": ids.cuda(), "labels": ids.cuda(), "use_cache": False}
     if scenario == "packed":
         inputs["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
     else:

@@ -10,15 +10,17 @@ Its masks are transformers' own SDPA masks (masking_utils.sdpa_mask): where SDPA
 mask (causal or bidirectional attention without padding) the call runs plain attention; where a
 mask is made (padding, sequences packed by position_ids, sliding or chunked windows, a model's
 own overlays) the mask is read as a mask function, so its empty tiles are skipped and only tiles
-it cuts are evaluated pair by pair. Each layer computes what SDPA computes from the same mask,
-except that a query row that sees no key (a padded row) gives zeros.
+it cuts are evaluated pair by pair (its tiles sorted once per step, not per layer). Each layer
+computes what SDPA computes from the same mask, except that a query row that sees no key (a
+padded row) gives zeros.
 
-Batches packed by a collator that passes FlashAttention's keyword arguments (cu_seq_lens_q,
-cu_seq_lens_k, max_length_q, max_length_k; e.g. DataCollatorWithFlattening with
-return_flash_attn_kwargs=True) run the packed variable-length kernels when the model made no
-mask. Softcapping (Gemma 2), attention sinks (gpt-oss), sliding windows, GQA and the model's
-scaling are passed to the kernels. Attention dropout is refused (the kernels have none), as is a
-position bias (T5).
+Packed sequences run the packed variable-length kernels: those a collator passes by
+FlashAttention's keyword arguments (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k;
+e.g. DataCollatorWithFlattening with return_flash_attn_kwargs=True) where the model made no
+mask, and those packed by position_ids where the model's mask is exactly their packing (checked
+once per mask tensor; any other mask is read as it is). Softcapping (Gemma 2), attention sinks
+(gpt-oss), sliding windows, GQA and the model's scaling are passed to the kernels. Attention
+dropout is refused (the kernels have none), as is a position bias (T5).
 """
 
 import warnings
@@ -27,6 +29,7 @@ import cuda.tile as ct
 import torch
 
 from tilegym.ops.attention.api import tile_fmha_functional
+from tilegym.ops.attention.block_mask import BlockMask, create_block_mask
 
 NAME = "tilegym"
 
@@ -85,6 +88,15 @@ def attention_forward(
         raise ValueError(
             f"cu_seq_lens_q and cu_seq_lens_k describe a batch packed into one row; the batch has {query.shape[0]}"
         )
+    if not packed and attention_mask is not None and not torch.compiler.is_compiling():
+        # Sequences packed by position_ids: transformers made a mask of the whole row; where it
+        # is exactly the packing's own, the packed kernels compute the same, with no mask to read.
+        lengths = _packing_of(attention_mask, kwargs.get("position_ids"), causal, sliding_window, query, key)
+        if lengths is not None:
+            cu_seqlens, longest = lengths
+            kwargs = {**kwargs, "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
+            kwargs |= {"max_length_q": longest, "max_length_k": longest}
+            packed, attention_mask = True, None
     if attention_mask is None and packed:
         out = _packed(query, key, value, scaling, causal, _window(sliding_window, causal), modifiers, kwargs)
         return out, None
@@ -156,8 +168,7 @@ def _longest(given, cu_seqlens: torch.Tensor) -> int:
 
 def _as_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> dict:
     """Keyword arguments that apply a 4D mask ``[B or 1, 1 or Hq, Sq, Sk]``: a bool one as a mask
-    function reading it (its tiles sorted once per call: empty ones skipped), an additive float
-    one as attn_bias."""
+    function reading it, an additive float one as attn_bias."""
     (batch, heads, seqlen_q), seqlen_k = query.shape[:3], key.shape[2]
     fits = mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads)
     if not fits or tuple(mask.shape[2:]) != (seqlen_q, seqlen_k):
@@ -167,10 +178,107 @@ def _as_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> dict
         )
     if mask.dtype != torch.bool:
         return {"attn_bias": mask}
-    seen = mask.expand(batch, *mask.shape[1:]).view(torch.int8)
-    if seen.shape[1] == 1:
-        return {"mask_mod": _seen_by_batch_entry, "mask_aux": (seen[:, 0],)}
-    return {"mask_mod": _seen_by_head, "mask_aux": (seen,)}
+    compiling = torch.compiler.is_compiling()
+    # The kernels index the mask by the call's batch entry: a mask of one entry is expanded. The
+    # kernels read int8 (a view of the bool mask; inductor has no bool bitcast, so a copy there).
+    seen = mask.to(torch.int8) if compiling else mask.view(torch.int8)
+    seen = seen.expand(batch, *mask.shape[1:])
+    per_head = seen.shape[1] > 1
+    mask_mod, mask_aux = (_seen_by_head, (seen,)) if per_head else (_seen_by_batch_entry, (seen[:, 0],))
+    if compiling:
+        # A mask function stays in a compiled graph; a block mask would break it.
+        return {"mask_mod": mask_mod, "mask_aux": mask_aux}
+    return {"block_mask": _block_mask(mask, mask_mod, mask_aux, (batch, heads, seqlen_q, seqlen_k), per_head)}
+
+
+class _PerMask:
+    """Values worked out from a mask tensor, kept for the masks last seen. A model passes one
+    mask tensor to all its layers of a kind (two kinds: sliding and full), so the work is done
+    once per step, not once per layer. An entry holds its tensors (mask, and position_ids where
+    they count), whose ids no other tensor can take while they live; an in-place change bumps a
+    tensor's version, which the entry compares."""
+
+    KEPT = 2
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+
+    def find(self, mask: torch.Tensor, context: tuple, tensors: tuple = ()):
+        """The value kept for mask in this context (None: none)."""
+        entry = self._entries.get(id(mask))
+        if entry is None or entry[0] is not mask or entry[1] != self._state(mask, context, tensors):
+            return None
+        return entry[2]
+
+    def keep(self, mask: torch.Tensor, context: tuple, value, tensors: tuple = ()) -> None:
+        if len(self._entries) >= self.KEPT:
+            self._entries.clear()
+        self._entries[id(mask)] = (mask, self._state(mask, context, tensors), value, tensors)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _state(mask, context, tensors) -> tuple:
+        return (mask._version, context, tuple((id(t), t._version) for t in tensors))
+
+
+_BLOCK_MASKS = _PerMask()
+_PACKINGS = _PerMask()
+
+
+def _block_mask(mask, mask_mod, mask_aux, sizes, per_head: bool) -> BlockMask:
+    """A BlockMask reading mask_aux by mask_mod, sorted per batch entry of the mask (one entry
+    for all when it has one) and per head only where it differs by head."""
+    found = _BLOCK_MASKS.find(mask, sizes)
+    if found is None:
+        batch, heads, seqlen_q, seqlen_k = sizes
+        found = create_block_mask(
+            mask_mod, mask.shape[0], heads if per_head else None, seqlen_q, seqlen_k, mask.device, mask_aux
+        )
+        _BLOCK_MASKS.keep(mask, sizes, found)
+    return found
+
+
+def _packing_of(mask, position_ids, causal: bool, sliding_window, query, key):
+    """(cu_seqlens int32, longest length) where mask is exactly the packing that position_ids
+    describe (a sequence starts wherever a position does not follow the one before), with the
+    causal rule and the sliding window; else None. Worked out once per mask tensor, with two host
+    synchronisations (the sequences' count and the comparison)."""
+    seqlen = query.shape[2]
+    one_row = query.shape[0] == 1 and mask.dtype == torch.bool and tuple(mask.shape) == (1, 1, seqlen, seqlen)
+    if not one_row or key.shape[2] != seqlen or position_ids is None or position_ids.numel() != seqlen:
+        return None
+    context = (causal, sliding_window)
+    found = _PACKINGS.find(mask, context, (position_ids,))
+    if found is None:
+        found = _packing_if_exact(mask[0, 0], position_ids.reshape(-1), causal, sliding_window)
+        _PACKINGS.keep(mask, context, found, (position_ids,))
+    return found or None
+
+
+def _packing_if_exact(mask, positions, causal: bool, sliding_window):
+    """_packing_of's work; False where the mask is not the packing's own."""
+    rows = torch.arange(positions.numel(), device=mask.device)
+    starts = torch.ones_like(rows, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    sequence = starts.cumsum(0)
+    expected = sequence[:, None] == sequence[None, :]
+    distance = rows[:, None] - rows[None, :]  # query row minus key row
+    if causal:
+        expected &= distance >= 0
+    if sliding_window is not None:
+        expected &= distance < sliding_window
+        if not causal:
+            expected &= -distance < sliding_window
+    if not torch.equal(mask, expected):
+        return False
+    first_rows = starts.nonzero().reshape(-1)
+    cu_seqlens = torch.cat([first_rows, rows.new_tensor([positions.numel()])]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
 def _seen_by_batch_entry(b, h, q_idx, kv_idx, mask_aux):
