@@ -14,6 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.ops.attention_cases import rms_error  # noqa: E402
 from tests.ops.conftest import requires_cuda  # noqa: E402
 from tilegym.integrations import huggingface  # noqa: E402
 from tilegym.ops.attention.reference import attention_reference  # noqa: E402
@@ -140,9 +141,8 @@ def _compare_decoding(family, dtype, device, logits_tolerance):
 
 
 def _relative_rms(ours: torch.Tensor, expected: torch.Tensor) -> float:
-    error = (ours.double() - expected.double()).pow(2).mean().sqrt()
-    scale = expected.double().pow(2).mean().sqrt()
-    return (error / scale).item() if scale > 0 else error.item()
+    scale = rms_error(expected, torch.zeros_like(expected))
+    return rms_error(ours, expected) / scale if scale > 0 else rms_error(ours, expected)
 
 
 # ---- the translation, checked on the CPU against the reference ---------------------------------

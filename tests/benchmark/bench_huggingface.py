@@ -22,23 +22,15 @@ Median ms per step over a few rounds (bench_utils.median_ms) and SDPA's time ove
 """
 
 import argparse
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.benchmark import bench_utils  # noqa: E402
+from tests.benchmark.bench_varlen import MIN_LEN, SEED, draw_lengths  # noqa: E402
 
 SCENARIOS = ("causal", "left-padding", "packed", "packed-flash-kwargs")
-
-
-def _lengths(total: int, longest: int) -> list[int]:
-    draw = random.Random(0)
-    lengths = []
-    while sum(lengths) < total:
-        lengths.append(min(draw.randint(128, longest), total - sum(lengths)))
-    return lengths
 
 
 def _inputs(scenario: str, tokens: int, seqlen: int, vocab: int):
@@ -56,7 +48,7 @@ def _inputs(scenario: str, tokens: int, seqlen: int, vocab: int):
             inputs["attention_mask"] = mask
             inputs["labels"] = ids.masked_fill(mask == 0, -100)
         return {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
-    lengths = _lengths(tokens, seqlen)
+    lengths = draw_lengths(tokens, MIN_LEN, seqlen, SEED)
     ids = torch.randint(0, vocab, (1, tokens), generator=generator)
     # No cache: transformers reads packing from position_ids only without one.
     inputs = {"input_ids": ids.cuda(), "labels": ids.cuda(), "use_cache": False}
