@@ -153,8 +153,14 @@ def _reference_attention(q, k, v, scaling=None, is_causal=True, **kwargs):
     or packed, window, softcap, sinks, attn_bias and its two mask functions (given as mask_mod or
     in a block mask)."""
     cu_q, cu_k = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None)
-    kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None)
+    longest = kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None)
     if cu_q is not None:
+        # What tile_fmha_varlen takes: int32 cumulative lengths on q's device, Python int lengths
+        # that cover every sequence.
+        for cu, most in zip((cu_q, cu_k), longest, strict=True):
+            assert cu.dtype == torch.int32 and cu.device == q.device and cu.dim() == 1
+            assert type(most) is int and most == int((cu[1:] - cu[:-1]).max())
+        assert q.dim() == 3 and q.shape[0] == int(cu_q[-1])
         pieces = []
         for s in range(cu_q.numel() - 1):
             rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])

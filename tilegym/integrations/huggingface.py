@@ -24,6 +24,7 @@ dropout is refused (the kernels have none), as is a position bias (T5).
 """
 
 import warnings
+from dataclasses import dataclass
 
 import cuda.tile as ct
 import torch
@@ -82,28 +83,20 @@ def attention_forward(
         warnings.warn("tilegym attention returns no attention weights (output_attentions)", stacklevel=2)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     modifiers = {"softcap": softcap, "sinks": s_aux}
-    cu_seqlens_q, cu_seqlens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    packed = cu_seqlens_q is not None and cu_seqlens_k is not None
-    if packed and query.shape[0] != 1:
-        raise ValueError(
-            f"cu_seq_lens_q and cu_seq_lens_k describe a batch packed into one row; the batch has {query.shape[0]}"
-        )
-    if not packed and attention_mask is not None and not torch.compiler.is_compiling():
+    packing = _given_packing(kwargs, query.shape[0])
+    if packing is None and attention_mask is not None and not torch.compiler.is_compiling():
         # Sequences packed by position_ids: transformers made a mask of the whole row; where it
         # is exactly the packing's own, the packed kernels compute the same, with no mask to read.
-        lengths = _packing_of(attention_mask, kwargs.get("position_ids"), causal, sliding_window, query, key)
-        if lengths is not None:
-            cu_seqlens, longest = lengths
-            kwargs = {**kwargs, "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
-            kwargs |= {"max_length_q": longest, "max_length_k": longest}
-            packed, attention_mask = True, None
-    if attention_mask is None and packed:
-        out = _packed(query, key, value, scaling, causal, _window(sliding_window, causal), modifiers, kwargs)
+        packing = _packing_of(attention_mask, kwargs.get("position_ids"), causal, sliding_window, query, key)
+        if packing is not None:
+            attention_mask = None
+    if packing is not None and attention_mask is None:
+        out = _packed(query, key, value, scaling, causal, _window(sliding_window, causal), modifiers, packing)
         return out, None
-    if packed:
+    if packing is not None:
         # A mask made over the whole packed row (a sliding window, say) does not know the
         # sequences: a pair is seen where both the mask and the packing allow it.
-        same = _same_sequence(cu_seqlens_q, cu_seqlens_k, query.shape[2], key.shape[2])
+        same = _same_sequence(packing.cu_seqlens_q, packing.cu_seqlens_k, query.shape[2], key.shape[2])
         is_bool = attention_mask.dtype == torch.bool
         attention_mask = attention_mask & same if is_bool else attention_mask.masked_fill(~same, -torch.inf)
     if attention_mask is None:
@@ -132,17 +125,42 @@ def _window(sliding_window: int | None, causal: bool):
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-def _packed(query, key, value, scaling, causal, window, modifiers, kwargs) -> torch.Tensor:
-    """A batch of one row packing several sequences, by FlashAttention's keyword arguments, as
-    [1, total, Hq, Dv]."""
-    cu_seqlens_q, cu_seqlens_k = (kwargs[name].to(torch.int32) for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
+@dataclass(frozen=True)
+class _Packing:
+    """Sequences packed into a batch of one row: int32 cumulative lengths on the row's device,
+    and the longest lengths where known (None: read from the cumulative lengths)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int | torch.Tensor | None = None
+    max_seqlen_k: int | torch.Tensor | None = None
+
+
+def _given_packing(kwargs: dict, batch: int) -> _Packing | None:
+    """The packing FlashAttention's keyword arguments describe (cu_seq_lens_q, cu_seq_lens_k,
+    max_length_q, max_length_k); None without them."""
+    cu_seqlens_q, cu_seqlens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        return None
+    if batch != 1:
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k describe a batch packed into one row; the batch has {batch}")
+    return _Packing(
+        cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k.to(torch.int32),
+        kwargs.get("max_length_q"),
+        kwargs.get("max_length_k"),
+    )
+
+
+def _packed(query, key, value, scaling, causal, window, modifiers, packing: _Packing) -> torch.Tensor:
+    """The packed row's attention on the packed kernels, as [1, total, Hq, Dv]."""
     # A length given as a tensor costs one host synchronisation, as in FlashAttention's path.
-    max_seqlen_q = _longest(kwargs.get("max_length_q"), cu_seqlens_q)
-    max_seqlen_k = _longest(kwargs.get("max_length_k"), cu_seqlens_k)
+    max_seqlen_q = _longest(packing.max_seqlen_q, packing.cu_seqlens_q)
+    max_seqlen_k = _longest(packing.max_seqlen_k, packing.cu_seqlens_k)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, D], views
     out = tile_fmha_functional(
-        q, k, v, scaling, causal, window_size=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **modifiers,
+        q, k, v, scaling, causal, window_size=window, cu_seqlens_q=packing.cu_seqlens_q,
+        cu_seqlens_k=packing.cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **modifiers,
     )  # fmt: skip
     return out[None]
 
@@ -243,11 +261,11 @@ def _block_mask(mask, mask_mod, mask_aux, sizes, per_head: bool) -> BlockMask:
     return found
 
 
-def _packing_of(mask, position_ids, causal: bool, sliding_window, query, key):
-    """(cu_seqlens int32, longest length) where mask is exactly the packing that position_ids
-    describe (a sequence starts wherever a position does not follow the one before), with the
-    causal rule and the sliding window; else None. Worked out once per mask tensor, with two host
-    synchronisations (the sequences' count and the comparison)."""
+def _packing_of(mask, position_ids, causal: bool, sliding_window, query, key) -> _Packing | None:
+    """The packing that position_ids describe (a sequence starts wherever a position does not
+    follow the one before) where mask is exactly its own, with the causal rule and the sliding
+    window; else None. Worked out once per mask tensor, with two host synchronisations (the
+    sequences' starts and the comparison)."""
     seqlen = query.shape[2]
     one_row = query.shape[0] == 1 and mask.dtype == torch.bool and tuple(mask.shape) == (1, 1, seqlen, seqlen)
     if not one_row or key.shape[2] != seqlen or position_ids is None or position_ids.numel() != seqlen:
@@ -260,13 +278,15 @@ def _packing_of(mask, position_ids, causal: bool, sliding_window, query, key):
     return found or None
 
 
-def _packing_if_exact(mask, positions, causal: bool, sliding_window):
+def _packing_if_exact(mask, positions, causal: bool, sliding_window) -> _Packing | bool:
     """_packing_of's work; False where the mask is not the packing's own."""
-    rows = torch.arange(positions.numel(), device=mask.device)
-    starts = torch.ones_like(rows, dtype=torch.bool)
+    seqlen = positions.numel()
+    starts = torch.ones(seqlen, dtype=torch.bool, device=mask.device)
     starts[1:] = positions[1:] != positions[:-1] + 1
-    sequence = starts.cumsum(0)
-    expected = sequence[:, None] == sequence[None, :]
+    end = torch.tensor([seqlen], device=mask.device)
+    cu_seqlens = torch.cat([starts.nonzero().reshape(-1), end]).to(torch.int32)
+    expected = _same_sequence(cu_seqlens, cu_seqlens, seqlen, seqlen)
+    rows = torch.arange(seqlen, device=mask.device)
     distance = rows[:, None] - rows[None, :]  # query row minus key row
     if causal:
         expected &= distance >= 0
@@ -276,9 +296,8 @@ def _packing_if_exact(mask, positions, causal: bool, sliding_window):
             expected &= -distance < sliding_window
     if not torch.equal(mask, expected):
         return False
-    first_rows = starts.nonzero().reshape(-1)
-    cu_seqlens = torch.cat([first_rows, rows.new_tensor([positions.numel()])]).to(torch.int32)
-    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    longest = _longest(None, cu_seqlens)  # once per mask, not once per layer
+    return _Packing(cu_seqlens, cu_seqlens, longest, longest)
 
 
 def _seen_by_batch_entry(b, h, q_idx, kv_idx, mask_aux):
