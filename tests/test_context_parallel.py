@@ -1,0 +1,289 @@
+"""Context parallelism (tilegym.parallel) against attention on the whole sequence.
+
+Each case spawns one process per rank. Without GPUs the ranks talk over gloo on the CPU, with
+the kernels replaced by the float64 reference (_reference_functional): that checks the sharding,
+the gathered keys, the keys each chunk is given and the gradients' way back, exactly. With a GPU
+the kernels run, checked against the float64 reference with our single-GPU call on the whole
+sequence as the baseline of the tolerance rule: two ranks sharing the GPU over gloo, and with two
+GPUs or more, a GPU per rank over NCCL.
+"""
+
+import zlib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.ops.attention_cases import assert_close_to_reference, reference_run
+from tests.ops.conftest import requires_cuda  # also: tests use each table's first config
+from tilegym.ops.attention.reference import attention_reference
+from tilegym.parallel import (
+    SequenceSharding,
+    context,
+    context_parallel_attention,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+
+
+@dataclass(frozen=True)
+class CpCase:
+    why: str
+    layout: str
+    chunk: int  # positions per chunk: the sequence is chunk x (2 world or world)
+    causal: bool = True
+    batch: int = 1
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    value_dim: int = 64
+    window_size: tuple | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+    training: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __str__(self):
+        return self.why
+
+
+CASES = [
+    CpCase("zigzag-causal-gqa", "zigzag", 37),  # a chunk that is no tile multiple
+    CpCase("contiguous-causal-mha", "contiguous", 70, q_heads=3, kv_heads=3),
+    CpCase("zigzag-full", "zigzag", 45, causal=False, batch=2),
+    CpCase("contiguous-full-mqa", "contiguous", 64, causal=False, q_heads=4, kv_heads=1),
+    CpCase("zigzag-window", "zigzag", 40, window_size=(50, 0)),  # reaches back over chunks
+    CpCase("contiguous-window-short", "contiguous", 90, window_size=(7, -1)),
+    CpCase("zigzag-alibi-softcap-sinks", "zigzag", 33, alibi=True, softcap=20.0, sinks=True),
+    CpCase("zigzag-full-sinks", "zigzag", 29, causal=False, sinks=True, softcap=15.0),
+    CpCase("zigzag-mla-dims", "zigzag", 48, head_dim=192, value_dim=128, q_heads=2, kv_heads=1),
+    CpCase("zigzag-d128-scaled", "zigzag", 64, head_dim=128, value_dim=128, extra={"scaling": 0.3}),
+    CpCase("zigzag-inference", "zigzag", 50, training=False, sinks=True),
+    CpCase("one-position-chunks", "zigzag", 1),
+]
+CASE_BY_NAME = {case.why: case for case in CASES}
+
+
+def _reference_functional(q, k, v, scaling=None, is_causal=True, training=None, *, return_lse=False, **kwargs):
+    """tile_fmha_functional's meaning for the arguments context_parallel_attention passes."""
+    assert return_lse and isinstance(training, bool)
+    kwargs = {name: value for name, value in kwargs.items() if value is not None}
+    out, lse = attention_reference(q, k, v, scaling, is_causal, **kwargs)
+    return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _inputs(case: CpCase, length: int, dtype, device):
+    """Whole-sequence tensors and arguments, the same on every rank (a seed per case)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(case.why.encode()))
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+    q = draw(case.batch, case.q_heads, length, case.head_dim)
+    k = draw(case.batch, case.kv_heads, length, case.head_dim)
+    v = draw(case.batch, case.kv_heads, length, case.value_dim)
+    d_out = draw(case.batch, case.q_heads, length, case.value_dim)
+    d_lse = draw(case.batch, case.q_heads, length, scale=0.5)
+    kwargs = dict(case.extra)
+    if case.window_size is not None:
+        kwargs["window_size"] = case.window_size
+    if case.softcap is not None:
+        kwargs["softcap"] = case.softcap
+    if case.alibi:
+        kwargs["alibi_slopes"] = torch.tensor(
+            [2.0 ** (-8.0 * (h + 1) / case.q_heads) for h in range(case.q_heads)], device=device
+        )
+    if case.sinks:
+        sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        kwargs["sinks"] = draw(case.q_heads).to(sink_dtype).requires_grad_(case.training)
+    return (q, k, v, d_out, d_lse), kwargs
+
+
+def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
+    sharding = SequenceSharding(case.layout, world, case.chunk * (2 * world if case.layout == "zigzag" else world))
+    (q, k, v, d_out, d_lse), kwargs = _inputs(case, sharding.length, dtype, device)
+
+    def share(t, dim=2):
+        return sharding.shard(t, rank, dim)
+
+    leaves = [share(t).detach().requires_grad_(case.training) for t in (q, k, v)]
+    out, lse = context_parallel_attention(
+        *leaves, is_causal=case.causal, layout=case.layout, return_lse=True, training=case.training, **kwargs
+    )
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.shape == share(d_out).shape and lse.shape == share(d_lse).shape and lse.dtype == lse_dtype
+    if case.training:
+        torch.autograd.backward([out, lse], [share(d_out), share(d_lse)])
+    sinks = kwargs.get("sinks")
+    if sinks is not None and case.training:
+        dist.all_reduce(sinks.grad)  # each rank's rows' part
+
+    ref_out, ref_lse, ref_grads = reference_run(
+        q, k, v, d_out, case.causal, kwargs, torch.float64, d_lse=d_lse
+    )  # fmt: skip
+    ours = {"out": out, "lse": lse}
+    expected = {"out": share(ref_out), "lse": share(ref_lse)}
+    if case.training:
+        ours.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+        expected.update(dq=share(ref_grads[0]), dk=share(ref_grads[1]), dv=share(ref_grads[2]))
+        if sinks is not None:
+            ours["dsinks"], expected["dsinks"] = sinks.grad, ref_grads[3]
+    if dtype == torch.float64:  # the reference stood in for the kernels: the same sums
+        for name, value in ours.items():
+            torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
+        return
+    baseline = _whole_sequence_call(case, (q, k, v, d_out, d_lse), kwargs)
+    for name, value in ours.items():
+        base = baseline[name] if name == "dsinks" else share(baseline[name])
+        assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
+
+
+def _whole_sequence_call(case: CpCase, tensors, kwargs) -> dict:
+    """Our single-GPU call on the whole sequence: the baseline of the tolerance rule."""
+    from tilegym import tile_fmha_functional
+
+    q, k, v, d_out, d_lse = tensors
+    leaves = [t.detach().requires_grad_(case.training) for t in (q, k, v)]
+    kwargs = dict(kwargs)
+    if "sinks" in kwargs:
+        kwargs["sinks"] = kwargs["sinks"].detach().requires_grad_(case.training)
+    out, lse = tile_fmha_functional(*leaves, is_causal=case.causal, training=case.training, return_lse=True, **kwargs)
+    result = {"out": out, "lse": lse}
+    if case.training:
+        torch.autograd.backward([out, lse], [d_out, d_lse])
+        result.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+        if "sinks" in kwargs:
+            result["dsinks"] = kwargs["sinks"].grad
+    return result
+
+
+def _worker(rank: int, world: int, backend: str, init_file: str, case_names: list, dtype_name: str) -> None:
+    device = torch.device("cpu")
+    if dtype_name != "float64":  # the kernels: a GPU per rank over NCCL, or all on one over gloo
+        device = torch.device("cuda", rank if backend == "nccl" else 0)
+        torch.cuda.set_device(device)
+    else:
+        context.tile_fmha_functional = _reference_functional
+        context.check_inputs = lambda *args, **kwargs: None  # the kernels' checks want CUDA tensors
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for name in case_names:
+            _check_case(CASE_BY_NAME[name], rank, world, getattr(torch, dtype_name), device)
+        _check_helpers(rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_helpers(rank: int, world: int, device) -> None:
+    """shard_sequence, unshard_sequence and sequence_positions agree with each other."""
+    for layout in ("zigzag", "contiguous"):
+        whole = torch.arange(2 * 3 * 4 * world, device=device).reshape(2, 4 * world, 3).float()
+        mine = shard_sequence(whole, dim=1, layout=layout)
+        positions = sequence_positions(4 * world, layout=layout, device=device)
+        torch.testing.assert_close(mine, whole[:, positions])
+        torch.testing.assert_close(unshard_sequence(mine, dim=1, layout=layout), whole)
+
+
+def _spawn(world: int, backend: str, tmp_path, case_names: list, dtype_name: str) -> None:
+    mp.spawn(_worker, args=(world, backend, str(tmp_path / "rendezvous"), case_names, dtype_name), nprocs=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_matches_the_whole_sequence(world, tmp_path):
+    _spawn(world, "gloo", tmp_path, list(CASE_BY_NAME), "float64")
+
+
+_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_GPUS < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("world", sorted({2, min(_GPUS, 4)}))
+def test_op_context_parallel(world, dtype_name, tmp_path):
+    _spawn(world, "nccl", tmp_path, list(CASE_BY_NAME), dtype_name)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_op_context_parallel_ranks_sharing_a_gpu(dtype_name, tmp_path):
+    """Two ranks on one GPU, talking over gloo: the kernels, the keys each chunk is given and the
+    gradients' way back as on one GPU per rank, on a machine with a single GPU."""
+    _spawn(2, "gloo", tmp_path, list(CASE_BY_NAME), dtype_name)
+
+
+def test_sharding_layouts():
+    sharding = SequenceSharding("zigzag", 3, 12)
+    assert [[(s.start, s.stop, s.local_start) for s in sharding.spans(r)] for r in range(3)] == [
+        [(0, 2, 0), (10, 12, 2)], [(2, 4, 0), (8, 10, 2)], [(4, 6, 0), (6, 8, 2)],
+    ]  # fmt: skip
+    whole = torch.arange(12)
+    gathered = torch.cat([sharding.shard(whole, r, 0) for r in range(3)])
+    assert torch.equal(sharding.unshard(gathered, 0), whole)
+    assert torch.equal(sharding.positions(1), torch.tensor([2, 3, 8, 9]))
+    # Causal pairs per rank: the zigzag layout balances them, the contiguous one does not.
+    for layout, balanced in (("zigzag", True), ("contiguous", False)):
+        sharding = SequenceSharding(layout, 4, 64)
+        pairs = {sum(p + 1 for p in sharding.positions(r).tolist()) for r in range(4)}
+        assert (len(pairs) == 1) == balanced, (layout, pairs)
+    contiguous = SequenceSharding("contiguous", 4, 8)
+    assert torch.equal(contiguous.positions(3), torch.tensor([6, 7]))
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: SequenceSharding("ring", 2, 8), ValueError, "layout"),
+        (lambda: SequenceSharding("zigzag", 2, 10), ValueError, "pad it to a multiple of 4"),
+        (lambda: SequenceSharding("zigzag", 0, 8), ValueError, "world"),
+        (lambda: SequenceSharding.of_share("zigzag", 2, 5), ValueError, "not even"),
+        (lambda: SequenceSharding("contiguous", 2, 8).spans(2), ValueError, "rank"),
+    ],
+)
+def test_sharding_refusals(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+def test_refused_without_a_process_group():
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.raises(ValueError, match="init_process_group"):
+        context_parallel_attention(q, q, q)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _arguments(**changes):
+    q = torch.randn(1, 2, 8, 64)
+    arguments = {"q": q, "k": q, "v": q, "is_causal": True}
+    arguments.update(changes)
+    return arguments
+
+
+@pytest.mark.parametrize(
+    "changes, error, words",
+    [
+        ({"q": torch.randn(2, 8, 64)}, ValueError, "q must be"),
+        ({"k": torch.randn(1, 2, 6, 64)}, ValueError, "same positions"),
+        ({"v": "v"}, TypeError, "v must be a torch.Tensor"),
+        ({"q": torch.randn(1, 2, 7, 64), "k": torch.randn(1, 2, 7, 64), "v": torch.randn(1, 2, 7, 64)}, ValueError,
+         "not even"),
+        ({"layout": "ring"}, ValueError, "layout"),
+        ({"is_causal": False, "window_size": (4, 4)}, ValueError, "window_size needs is_causal=True"),
+        ({"is_causal": False, "alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes needs is_causal=True"),
+        ({"is_causal": 1}, TypeError, "is_causal"),
+        ({"group": "world"}, TypeError, "group"),
+        ({}, ValueError, "CUDA tensor"),  # the kernels' own checks, before the collective
+    ],
+)  # fmt: skip
+def test_refusals(one_rank_group, changes, error, words):
+    with pytest.raises(error, match=words):
+        context_parallel_attention(**_arguments(**changes))
