@@ -56,8 +56,9 @@ def _rank_main(rank: int, world: int, backend: str, args) -> None:
     leaves = [t.detach().requires_grad_() for t in whole]
     expected = tile_fmha_with_backward(*leaves)
     expected.backward(d_out)
+    # Each error relative to the largest value of its tensor on one GPU: bf16 rounding is 4e-3.
     errors = {
-        name: (ours.float() - shard_sequence(theirs).float()).abs().max()
+        name: (ours.float() - shard_sequence(theirs).float()).abs().max() / theirs.float().abs().max()
         for name, ours, theirs in zip(
             ("out", "dq", "dk", "dv"), (out, *(t.grad for t in shares)), (expected, *(t.grad for t in leaves)),
             strict=True,
@@ -66,7 +67,7 @@ def _rank_main(rank: int, world: int, backend: str, args) -> None:
     for error in errors.values():
         dist.all_reduce(error, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print("max |ours - one GPU| over all ranks: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+        print("max |ours - one GPU| / max |one GPU|: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     dist.destroy_process_group()
 
 

@@ -23,8 +23,13 @@ from tilegym.parallel import (
     SequenceSharding,
     context,
     context_parallel_attention,
+    context_parallel_attention_varlen,
+    packed,
+    packed_positions,
     sequence_positions,
+    shard_packed,
     shard_sequence,
+    unshard_packed,
     unshard_sequence,
 )
 
@@ -68,12 +73,73 @@ CASES = [
 CASE_BY_NAME = {case.why: case for case in CASES}
 
 
+@dataclass(frozen=True)
+class PackedCase:
+    why: str
+    units: tuple  # each sequence's length in units of 2 world rows
+    causal: bool = True
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    window_size: tuple | None = None
+    softcap: float | None = None
+    alibi: str | None = None  # "head": [Hq]; "sequence": [N, Hq]
+    sinks: bool = False
+    training: bool = True
+
+    def __str__(self):
+        return self.why
+
+
+PACKED_CASES = [
+    PackedCase("packed-causal-gqa", (5, 0, 1, 13, 7)),  # an empty sequence, one of 2 world rows
+    PackedCase("packed-full-mha", (3, 9, 0, 4), causal=False, kv_heads=4),
+    PackedCase("packed-window-alibi-softcap-sinks", (6, 11, 2), window_size=(25, 0), alibi="sequence",
+               softcap=20.0, sinks=True),
+    PackedCase("packed-one-sequence-d128", (16,), head_dim=128, alibi="head"),
+    PackedCase("packed-inference", (4, 7), training=False),
+]  # fmt: skip
+PACKED_CASE_BY_NAME = {case.why: case for case in PACKED_CASES}
+
+
 def _reference_functional(q, k, v, scaling=None, is_causal=True, training=None, *, return_lse=False, **kwargs):
-    """tile_fmha_functional's meaning for the arguments context_parallel_attention passes."""
+    """tile_fmha_functional's meaning for the arguments context parallelism passes: dense, or
+    packed (cu_seqlens_q, ...), sequence by sequence."""
     assert return_lse and isinstance(training, bool)
     kwargs = {name: value for name, value in kwargs.items() if value is not None}
-    out, lse = attention_reference(q, k, v, scaling, is_causal, **kwargs)
-    return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    cu_q, cu_k = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None)
+    if cu_q is None:
+        out, lse = attention_reference(q, k, v, scaling, is_causal, **kwargs)
+        return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
+    longest = kwargs.pop("max_seqlen_q"), kwargs.pop("max_seqlen_k")
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and all(type(n) is int for n in longest)
+    lengths = [(cu_q[s + 1] - cu_q[s]).item() for s in range(cu_q.numel() - 1)]
+    assert longest[0] == max(lengths, default=0)
+    out, lse = _packed_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), scaling, is_causal, kwargs)
+    return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _packed_reference(q, k, v, cu_q: list, cu_k: list, scaling, causal: bool, kwargs: dict):
+    """(out [total_q, Hq, Dv], lse [Hq, total_q]) of a packed batch by the float64 reference,
+    sequence by sequence, differentiable; alibi_slopes [N, Hq] gives each sequence its row."""
+    outs, lses = [], []
+    for s in range(len(cu_q) - 1):
+        one = dict(kwargs)
+        slopes = one.get("alibi_slopes")
+        if slopes is not None and slopes.dim() == 2:
+            one["alibi_slopes"] = slopes[s]
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        parts = (t[span].transpose(0, 1)[None] for t, span in ((q, rows), (k, keys), (v, keys)))
+        out, lse = attention_reference(*parts, scaling, causal, **one)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    if not outs:
+        return q.new_zeros((0, q.shape[1], v.shape[2]), dtype=torch.float64), q.new_zeros((q.shape[1], 0))
+    return torch.cat(outs), torch.cat(lses, dim=-1)
 
 
 def _inputs(case: CpCase, length: int, dtype, device):
@@ -142,6 +208,93 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
 
 
+def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -> None:
+    lengths = [units * 2 * world for units in case.units]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    total, longest = int(cu[-1]), max(lengths)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.why.encode()))
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+    q, k, v = (
+        draw(total, case.q_heads, case.head_dim),
+        draw(total, case.kv_heads, case.head_dim),
+        draw(total, case.kv_heads, case.head_dim),
+    )
+    d_out, d_lse = draw(total, case.q_heads, case.head_dim), draw(case.q_heads, total, scale=0.5)
+    kwargs = {}
+    if case.window_size is not None:
+        kwargs["window_size"] = case.window_size
+    if case.softcap is not None:
+        kwargs["softcap"] = case.softcap
+    if case.alibi:
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / case.q_heads) for h in range(case.q_heads)], device=device)
+        kwargs["alibi_slopes"] = slopes if case.alibi == "head" else torch.stack(
+            [slopes * (1 + s) for s in range(len(lengths))]
+        )  # fmt: skip
+    if case.sinks:
+        kwargs["sinks"] = draw(case.q_heads).to(_lse_dtype(dtype)).requires_grad_(case.training)
+
+    leaves = [shard_packed(t, cu).detach().requires_grad_(case.training) for t in (q, k, v)]
+    out, lse = context_parallel_attention_varlen(
+        *leaves, cu, longest, is_causal=case.causal, return_lse=True, training=case.training, **kwargs
+    )
+    local = leaves[0].shape[0]
+    assert out.shape == (local, case.q_heads, case.head_dim) and lse.shape == (case.q_heads, local)
+    if case.training:
+        torch.autograd.backward([out, lse], [shard_packed(d_out, cu), shard_packed(d_lse.T, cu).T])
+    sinks = kwargs.get("sinks")
+    if sinks is not None and case.training:
+        dist.all_reduce(sinks.grad)
+
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_kwargs = dict(kwargs)
+    if sinks is not None:
+        ref_kwargs["sinks"] = sinks.detach().double().requires_grad_()
+        inputs.append(ref_kwargs["sinks"])
+    cu_list = cu.tolist()
+    ref_out, ref_lse = _packed_reference(*inputs[:3], cu_list, cu_list, None, case.causal, ref_kwargs)
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], inputs, [d_out.double(), d_lse.double()])
+    ours = {"out": out, "lse": lse.T}
+    expected = {"out": shard_packed(ref_out, cu), "lse": shard_packed(ref_lse.T, cu)}
+    if case.training:
+        for index, name in enumerate(("dq", "dk", "dv")):
+            ours[name], expected[name] = leaves[index].grad, shard_packed(ref_grads[index], cu)
+        if sinks is not None:
+            ours["dsinks"], expected["dsinks"] = sinks.grad, ref_grads[3]
+    if dtype == torch.float64:
+        for name, value in ours.items():
+            torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
+        return
+    baseline = _whole_batch_call(case, (q, k, v, d_out, d_lse), cu, longest, kwargs)
+    for name, value in ours.items():
+        base = baseline[name] if name == "dsinks" else shard_packed(baseline[name], cu)
+        assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
+
+
+def _whole_batch_call(case: PackedCase, tensors, cu, longest, kwargs) -> dict:
+    """tile_fmha_varlen on the whole batch on one GPU: the baseline of the tolerance rule."""
+    from tilegym import tile_fmha_functional
+
+    q, k, v, d_out, d_lse = tensors
+    leaves = [t.detach().requires_grad_(case.training) for t in (q, k, v)]
+    kwargs = dict(kwargs)
+    if "sinks" in kwargs:
+        kwargs["sinks"] = kwargs["sinks"].detach().requires_grad_(case.training)
+    out, lse = tile_fmha_functional(
+        *leaves, is_causal=case.causal, training=case.training, return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+        max_seqlen_q=longest, max_seqlen_k=longest, **kwargs,
+    )  # fmt: skip
+    result = {"out": out, "lse": lse.T}
+    if case.training:
+        torch.autograd.backward([out, lse], [d_out, d_lse])
+        result.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+        if "sinks" in kwargs:
+            result["dsinks"] = kwargs["sinks"].grad
+    return result
+
+
 def _whole_sequence_call(case: CpCase, tensors, kwargs) -> dict:
     """Our single-GPU call on the whole sequence: the baseline of the tolerance rule."""
     from tilegym import tile_fmha_functional
@@ -167,12 +320,17 @@ def _worker(rank: int, world: int, backend: str, init_file: str, case_names: lis
         device = torch.device("cuda", rank if backend == "nccl" else 0)
         torch.cuda.set_device(device)
     else:
-        context.tile_fmha_functional = _reference_functional
-        context.check_inputs = lambda *args, **kwargs: None  # the kernels' checks want CUDA tensors
+        for module in (context, packed):
+            module.tile_fmha_functional = _reference_functional
+        # The kernels' checks want CUDA tensors.
+        context.check_inputs = packed.check_packed_inputs = lambda *args, **kwargs: None
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for name in case_names:
-            _check_case(CASE_BY_NAME[name], rank, world, getattr(torch, dtype_name), device)
+            if name in CASE_BY_NAME:
+                _check_case(CASE_BY_NAME[name], rank, world, getattr(torch, dtype_name), device)
+            else:
+                _check_packed_case(PACKED_CASE_BY_NAME[name], rank, world, getattr(torch, dtype_name), device)
         _check_helpers(rank, world, device)
     finally:
         dist.destroy_process_group()
@@ -186,6 +344,13 @@ def _check_helpers(rank: int, world: int, device) -> None:
         positions = sequence_positions(4 * world, layout=layout, device=device)
         torch.testing.assert_close(mine, whole[:, positions])
         torch.testing.assert_close(unshard_sequence(mine, dim=1, layout=layout), whole)
+    lengths = [0, 6 * world, 2 * world, 0, 10 * world]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    whole = torch.arange(int(cu[-1]), device=device)
+    mine = shard_packed(whole, cu)
+    assert torch.equal(unshard_packed(mine, cu), whole)
+    starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(lengths, device=device))
+    assert torch.equal(packed_positions(cu, mine.numel()), mine - starts[mine])
 
 
 def _spawn(world: int, backend: str, tmp_path, case_names: list, dtype_name: str) -> None:
@@ -194,7 +359,7 @@ def _spawn(world: int, backend: str, tmp_path, case_names: list, dtype_name: str
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_matches_the_whole_sequence(world, tmp_path):
-    _spawn(world, "gloo", tmp_path, list(CASE_BY_NAME), "float64")
+    _spawn(world, "gloo", tmp_path, [*CASE_BY_NAME, *PACKED_CASE_BY_NAME], "float64")
 
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -204,7 +369,7 @@ _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 @pytest.mark.parametrize("world", sorted({2, min(_GPUS, 4)}))
 def test_op_context_parallel(world, dtype_name, tmp_path):
-    _spawn(world, "nccl", tmp_path, list(CASE_BY_NAME), dtype_name)
+    _spawn(world, "nccl", tmp_path, [*CASE_BY_NAME, *PACKED_CASE_BY_NAME], dtype_name)
 
 
 @requires_cuda
@@ -212,7 +377,7 @@ def test_op_context_parallel(world, dtype_name, tmp_path):
 def test_op_context_parallel_ranks_sharing_a_gpu(dtype_name, tmp_path):
     """Two ranks on one GPU, talking over gloo: the kernels, the keys each chunk is given and the
     gradients' way back as on one GPU per rank, on a machine with a single GPU."""
-    _spawn(2, "gloo", tmp_path, list(CASE_BY_NAME), dtype_name)
+    _spawn(2, "gloo", tmp_path, [*CASE_BY_NAME, *PACKED_CASE_BY_NAME], dtype_name)
 
 
 def test_sharding_layouts():
@@ -287,3 +452,48 @@ def _arguments(**changes):
 def test_refusals(one_rank_group, changes, error, words):
     with pytest.raises(error, match=words):
         context_parallel_attention(**_arguments(**changes))
+
+
+def _packed_arguments(**changes):
+    q = torch.randn(8, 2, 64)
+    arguments = {
+        "q": q, "k": q, "v": q, "cu_seqlens": torch.tensor([0, 2, 8], dtype=torch.int32), "max_seqlen": 6,
+        "is_causal": True,
+    }  # fmt: skip
+    arguments.update(changes)
+    return arguments
+
+
+@pytest.mark.parametrize(
+    "changes, error, words",
+    [
+        ({"q": torch.randn(1, 8, 2, 64)}, ValueError, r"q must be \[T, H, D\]"),
+        ({"v": torch.randn(6, 2, 64)}, ValueError, "same rows"),
+        ({"q": torch.randn(7, 2, 64), "k": torch.randn(7, 2, 64), "v": torch.randn(7, 2, 64)}, ValueError, "not even"),
+        ({"cu_seqlens": torch.tensor([0, 2, 8])}, TypeError, "cu_seqlens must be torch.int32"),
+        ({"cu_seqlens": [0, 2, 8]}, TypeError, "cu_seqlens must be a torch.Tensor"),
+        ({"max_seqlen": 5}, ValueError, "max_seqlen .5. must be a multiple of 2"),
+        ({"max_seqlen": 6.0}, TypeError, "max_seqlen must be an int"),
+        ({"is_causal": False, "window_size": (2, 2)}, ValueError, "window_size needs is_causal=True"),
+        ({"training": "yes"}, TypeError, "training must be a bool or None"),
+        ({}, ValueError, "CUDA tensor"),  # the packed kernels' own checks, before the collective
+    ],
+)  # fmt: skip
+def test_packed_refusals(one_rank_group, changes, error, words):
+    with pytest.raises(error, match=words):
+        context_parallel_attention_varlen(**_packed_arguments(**changes))
+
+
+@pytest.mark.parametrize(
+    "cu, words",
+    [([0, 3, 8], "multiple of 2"), ([0, 2, 6], "from 0 to the batch's 8 rows"), ([0, 6, 2, 8], "must not decrease"),
+     ([0, 8], "more than max_seqlen")],
+)  # fmt: skip
+def test_packed_lengths_checked_on_request(one_rank_group, monkeypatch, cu, words):
+    cu = torch.tensor(cu, dtype=torch.int32)
+    if "max_seqlen" not in words:  # shard_packed takes no max_seqlen
+        with pytest.raises(ValueError, match=words):
+            shard_packed(torch.randn(8, 2), cu)
+    monkeypatch.setenv("TILEGYM_CHECK_VARLEN", "1")
+    with pytest.raises(ValueError, match=words):
+        context_parallel_attention_varlen(**_packed_arguments(cu_seqlens=cu))

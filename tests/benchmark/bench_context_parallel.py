@@ -5,6 +5,7 @@ SDPA's cuDNN kernels, torch.distributed.tensor.experimental.context_parallel) on
 
     torchrun --nproc-per-node 2 tests/benchmark/bench_context_parallel.py
     torchrun --nproc-per-node 4 tests/benchmark/bench_context_parallel.py --seqlens 65536 131072
+    torchrun --nproc-per-node 4 tests/benchmark/bench_context_parallel.py --packed-max 32768
 
 bf16, causal, batch 1, zigzag layout on both (PyTorch's load balancer holds the same chunks).
 Every rank runs the same fixed number of steps (a timing loop that adapts per rank would desync
@@ -95,6 +96,45 @@ def _measure(seqlen: int, args, rank: int, world: int) -> dict:
     return row
 
 
+def _measure_packed(tokens: int, args, rank: int, world: int) -> dict:
+    """A packed batch of documents drawn as bench_varlen draws them (lengths in [128,
+    --packed-max]), each cut to a multiple of 2W, every document split over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.benchmark.bench_varlen import MIN_LEN, SEED, draw_lengths
+    from tilegym import tile_fmha_varlen
+    from tilegym.parallel import context_parallel_attention_varlen, shard_packed
+
+    step = 2 * world
+    lengths = [max(step, n - n % step) for n in draw_lengths(tokens, MIN_LEN, args.packed_max, SEED)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total, longest = int(cu[-1]), max(lengths)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def draw(heads):
+        return torch.randn((total, heads, args.head_dim), device="cuda", dtype=torch.bfloat16, generator=generator)
+
+    whole = [draw(args.heads), draw(args.kv_heads), draw(args.kv_heads), draw(args.heads)]
+    shares = [shard_packed(t, cu) for t in whole]
+    leaves = [t.clone().requires_grad_() for t in shares[:3]]
+    row = {"seqlen": total, "world": world, "documents": len(lengths), "longest": longest}
+    pairs = sum(bench_utils.visible_pairs(n, n, True) for n in lengths)
+    flops = 3.5 * 4 * pairs * args.head_dim * args.heads
+
+    if rank == 0 and not args.skip_single:
+        single = [t.clone().requires_grad_() for t in whole[:3]]
+        row["single_ms"] = bench_utils.median_ms(
+            _training_step(lambda q, k, v: tile_fmha_varlen(q, k, v, cu, cu, longest, longest), single, whole[3])
+        )
+        del single
+    dist.barrier()
+    attention = lambda q, k, v: context_parallel_attention_varlen(q, k, v, cu, longest)  # noqa: E731
+    row["ours_ms"] = _step_ms(_training_step(attention, leaves, shares[3]), args.steps)
+    row["ours_tflops_per_gpu"] = flops / world / (row["ours_ms"] * 1e-3) / 1e12
+    return row
+
+
 def _kernels_only(leaves, d_out, sharding, rank):
     """The attention calls of one step alone, on keys gathered beforehand, each chunk's keys its
     own leaf: what the kernels cost, without the collectives and the gradients' way back."""
@@ -164,7 +204,8 @@ def _table(rows: list) -> str:
         cells = [
             str(row["world"]), str(row["seqlen"]), f"{single:.1f}" if single else "-", f"{ours:.1f}",
             f"{single / ours:.2f}x" if single else "-", f"{row['ours_tflops_per_gpu']:.0f}",
-            f"{row['kernels_ms']:.1f}", f"{row['collectives_ms']:.2f}",
+            f"{row['kernels_ms']:.1f}" if "kernels_ms" in row else "-",
+            f"{row['collectives_ms']:.2f}" if "collectives_ms" in row else "-",
             f"{ring:.1f}" if ring else row.get("torch_ring", "-"),
             f"{ring / ours:.2f}x" if ring else "-",
         ]  # fmt: skip
@@ -179,6 +220,12 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=16, help="key/value heads")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="timed steps per cell, after 2 of warm-up")
+    p.add_argument(
+        "--packed-max",
+        type=int,
+        default=0,
+        help="if set, packed batches of documents of 128 to this many tokens instead of one sequence",
+    )
     p.add_argument("--skip-single", action="store_true", help="leave out the single-GPU baseline")
     p.add_argument("--json", type=Path, help="write the rows here (rank 0)")
     args = p.parse_args(argv)
@@ -191,7 +238,8 @@ def main(argv=None) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     rows = []
     for seqlen in args.seqlens:
-        rows.append(_measure(seqlen, args, rank, world))
+        measure = _measure_packed if args.packed_max else _measure
+        rows.append(measure(seqlen, args, rank, world))
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
     if rank == 0:

@@ -79,7 +79,11 @@ def context_parallel_attention(
         out.sum().backward()
     """
     rank, world = world_of(group)
-    _check_shares(q, k, v, is_causal, window_size, alibi_slopes)
+    _check_shares(q, k, v)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    training = check_training(training, q, k, v, sinks)
+    refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = SequenceSharding.of_share(layout, world, q.shape[_SEQUENCE_DIM])
     # Every error the kernels' checks would raise, raised before the collective: the widest
     # call (all keys) as stride-0 views of this rank's keys.
@@ -87,14 +91,6 @@ def context_parallel_attention(
         q, _as_whole(k, sharding.length), _as_whole(v, sharding.length), scaling, is_causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
     )  # fmt: skip
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if training is None:
-        training = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, sinks)
-        )  # fmt: skip
-    elif not isinstance(training, bool):
-        raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
 
     spans = sharding.spans(rank)
     seen = tuple(_keys_seen(span, is_causal, window_size, sharding.length) for span in spans)
@@ -139,7 +135,31 @@ def sequence_positions(length: int, *, group=None, layout: str = "zigzag", devic
     return SequenceSharding(layout, world, length).positions(rank, device=device)
 
 
-def _check_shares(q, k, v, is_causal, window_size, alibi_slopes) -> None:
+def check_training(training, *tensors) -> bool:
+    """training as tile_fmha_functional reads it: None, by grad mode and requires_grad."""
+    if training is None:
+        return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
+    return training
+
+
+def refuse_unaligned(is_causal, window_size, alibi_slopes) -> None:
+    """Without causal masking a chunk of queries gets all keys, so the kernels' alignment of its
+    last query with the last key is not that of the whole sequence: the arguments that count
+    positions are refused."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if not is_causal:
+        for name, value in (("window_size", window_size), ("alibi_slopes", alibi_slopes)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} needs is_causal=True under context parallelism: without causal masking a "
+                    "chunk's queries are not aligned with the end of the keys they see"
+                )
+
+
+def _check_shares(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -150,15 +170,6 @@ def _check_shares(q, k, v, is_causal, window_size, alibi_slopes) -> None:
         raise ValueError(
             f"q, k and v must hold the same positions of one sequence (self-attention), got lengths {lengths}"
         )
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if not is_causal:
-        for name, value in (("window_size", window_size), ("alibi_slopes", alibi_slopes)):
-            if value is not None:
-                raise ValueError(
-                    f"{name} needs is_causal=True under context parallelism: without causal masking a "
-                    "chunk's queries are not aligned with the end of the keys they see"
-                )
 
 
 def _as_whole(t: Tensor, length: int) -> Tensor:

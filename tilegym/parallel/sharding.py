@@ -124,3 +124,77 @@ class SequenceSharding:
             return gathered
         size = self.chunk_length
         return torch.cat([gathered.narrow(dim, place * size, size) for place in self.gathered_order()], dim=dim)
+
+
+@dataclass(frozen=True)
+class PackedSharding:
+    """A packed batch (sequences one after another, cumulative lengths cu_seqlens) whose every
+    sequence is split in the zigzag layout over world ranks: each sequence's length is a
+    multiple of 2 world, and rank r holds chunks r and 2 world - 1 - r of each sequence, sequence
+    after sequence. Every rank then scores the same causal pairs of each sequence.
+
+    The row maps below run on the GPU from cu_seqlens without a host synchronisation; rows they
+    would place outside the batch (inconsistent cumulative lengths) are clamped into it."""
+
+    world: int
+
+    def __post_init__(self):
+        if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
+            raise ValueError(f"world must be a positive int, got {self.world!r}")
+
+    @property
+    def chunks(self) -> int:
+        return 2 * self.world
+
+    def local_rows(self, cu_seqlens: torch.Tensor, rank: int, local_total: int) -> torch.Tensor:
+        """int64 [local_total]: the row of the whole batch that each of rank's rows is."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank must be in [0, {self.world}), got {rank!r}")
+        bounds = cu_seqlens.long()
+        rows = torch.arange(local_total, device=cu_seqlens.device)
+        sequence = self.sequence_of(bounds // self.world, rows)
+        offset = rows - bounds[sequence] // self.world
+        chunk = self._chunk_length(bounds, sequence)
+        second = offset >= chunk
+        chunk_index = torch.where(second, self.chunks - 1 - rank, rank)
+        within = offset - second.long() * chunk
+        return (bounds[sequence] + chunk_index * chunk + within).clamp(0, max(self.world * local_total - 1, 0))
+
+    def gathered_rows(self, cu_seqlens: torch.Tensor, rows: torch.Tensor, local_total: int) -> torch.Tensor:
+        """int64: where each of rows (rows of the whole batch) lies among every rank's rows laid
+        one rank after the other (what an all-gather of the shares returns)."""
+        bounds = cu_seqlens.long()
+        sequence = self.sequence_of(bounds, rows)
+        offset = rows - bounds[sequence]
+        chunk = self._chunk_length(bounds, sequence)
+        chunk_index = (offset // chunk).clamp(max=self.chunks - 1)
+        owner = torch.where(chunk_index < self.world, chunk_index, self.chunks - 1 - chunk_index)
+        slot = (chunk_index >= self.world).long()
+        place = owner * local_total + bounds[sequence] // self.world + slot * chunk + offset - chunk_index * chunk
+        return place.clamp(0, max(self.world * local_total - 1, 0))
+
+    def check(self, cu_seqlens: torch.Tensor, total: int, longest: int | None = None) -> None:
+        """Raises a ValueError unless cu_seqlens starts at 0, never decreases, ends at total and
+        every length is a multiple of 2 world, and at most longest (one host synchronisation)."""
+        values = cu_seqlens.tolist()
+        if values[0] != 0 or values[-1] != total:
+            raise ValueError(f"cu_seqlens must run from 0 to the batch's {total} rows, got {values[0]} to {values[-1]}")
+        for index, (start, stop) in enumerate(zip(values[:-1], values[1:], strict=True)):
+            if stop < start:
+                raise ValueError(f"cu_seqlens must not decrease, got {start} then {stop} at sequence {index}")
+            if (stop - start) % self.chunks:
+                raise ValueError(
+                    f"sequence {index} has {stop - start} rows: the zigzag layout over {self.world} ranks needs "
+                    f"every length to be a multiple of {self.chunks} (pad each sequence)"
+                )
+            if longest is not None and stop - start > longest:
+                raise ValueError(f"sequence {index} has {stop - start} rows, more than max_seqlen ({longest})")
+
+    @staticmethod
+    def sequence_of(bounds: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The sequence each row falls in, by the int64 cumulative bounds [N + 1] (clamped to one)."""
+        last = max(bounds.numel() - 2, 0)
+        return torch.searchsorted(bounds[1:].contiguous(), rows, right=True).clamp(max=last)
+
+    def _chunk_length(self, bounds: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
+        return ((bounds[sequence + 1] - bounds[sequence]) // self.chunks).clamp(min=1)

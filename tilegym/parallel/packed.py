@@ -1,0 +1,213 @@
+"""Context parallelism of a packed batch: sequences one after another (FlashAttention's varlen
+layout), each split over the ranks of a torch.distributed group in the zigzag layout
+(sharding.PackedSharding).
+
+As for one sequence (context.py), keys and values are all-gathered and every row's softmax is
+computed whole, in one call: here one call of the packed kernels per rank, in which each chunk of
+the rank's rows is a sequence of its own, given its sequence's keys up to its last row (causal)
+or all of them. Those keys are gathered into one tensor, chunk after chunk, from the all-gather
+(a row map built on the GPU: no host synchronisation), and their gradients added back into the
+all-gather's layout in float32 before the reduce-scatter.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tilegym import env
+from tilegym.ops.attention.api import tile_fmha_functional
+from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
+from tilegym.parallel.collectives import all_gather, reduce_scatter, world_of
+from tilegym.parallel.context import check_training, refuse_unaligned
+from tilegym.parallel.sharding import PackedSharding
+
+
+def context_parallel_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    scaling: float | None = None,
+    is_causal: bool = True,
+    training: bool | None = None,
+    *,
+    group=None,
+    window_size: tuple[int, int] | list[int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of a packed batch whose every sequence is split over the ranks of group, on
+    each rank its rows; differentiable in q, k, v and sinks.
+
+    Args:
+        q, k, v: this rank's rows, ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, Dv]``: of each
+            sequence in turn, its chunks r and 2W - 1 - r of 2W (``shard_packed`` cuts them from
+            the whole batch). Every rank passes the same shapes and arguments.
+        cu_seqlens: int32 ``[N + 1]`` on q's device, the whole batch's cumulative lengths (the
+            same on every rank), running from 0 to W x T; every length a multiple of 2W.
+            ``TILEGYM_CHECK_VARLEN=1`` checks that (and max_seqlen) on the host and raises;
+            without it, lengths that break it give wrong rows but never a read or write outside
+            the tensors (rows are clamped into them, as the packed kernels clamp sequences).
+        max_seqlen: the longest sequence of the whole batch, a Python int (a multiple of 2W).
+        scaling, is_causal, window_size, softcap, alibi_slopes, sinks: as tile_fmha_varlen on the
+            whole batch (alibi_slopes ``[Hq]`` or ``[N, Hq]``). Without causal masking,
+            window_size and alibi_slopes are refused (as context_parallel_attention).
+        training, group, return_lse: as context_parallel_attention; lse is ``[Hq, T]``.
+
+    Returns:
+        ``[T, Hq, Dv]``: this rank's rows of the whole batch's attention, or ``(out, lse)``.
+    """
+    rank, world = world_of(group)
+    _check_rows(q, k, v)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    training = check_training(training, q, k, v, sinks)
+    refuse_unaligned(is_causal, window_size, alibi_slopes)
+    sharding = PackedSharding(world)
+    _check_one_cu_seqlens("cu_seqlens", cu_seqlens, q)
+    longest = _check_max_seqlen("max_seqlen", max_seqlen)
+    if longest % sharding.chunks:
+        raise ValueError(
+            f"max_seqlen ({longest}) must be a multiple of {sharding.chunks}: every sequence's length is, in the "
+            f"zigzag layout over {world} ranks"
+        )
+    if env.flag(CHECK_VARLEN, False):
+        sharding.check(cu_seqlens, world * q.shape[0], longest)
+    if isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2:
+        alibi_slopes = alibi_slopes.repeat_interleave(2, dim=0)  # per chunk: two per sequence
+    calls = _ChunkCalls.plan(sharding, cu_seqlens, rank, q.shape[0], longest, is_causal)
+    # Every error the packed kernels' checks would raise, before the collective.
+    keys_view = _as_rows(k, calls.key_rows.numel())
+    values_view = _as_rows(v, calls.key_rows.numel())
+    check_packed_inputs(
+        q, keys_view, values_view, calls.cu_seqlens_q, calls.cu_seqlens_k, calls.max_seqlen_q, calls.max_seqlen_k,
+        scaling, is_causal, window_size, softcap, alibi_slopes, sinks, read_contents=False,
+    )  # fmt: skip
+
+    with torch.set_grad_enabled(training and torch.is_grad_enabled()):
+        keys, values = _SharedPackedKeys.apply(k, v, calls.key_rows, group)
+        out, lse = tile_fmha_functional(
+            q, keys, values, scaling, is_causal, training,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,
+            cu_seqlens_q=calls.cu_seqlens_q, cu_seqlens_k=calls.cu_seqlens_k,
+            max_seqlen_q=calls.max_seqlen_q, max_seqlen_k=calls.max_seqlen_k,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def shard_packed(x: Tensor, cu_seqlens: Tensor, *, group=None) -> Tensor:
+    """This rank's rows of x, a whole packed batch ``[total, ...]`` (inputs, labels): of each
+    sequence, chunks r and 2W - 1 - r of 2W. Checks cu_seqlens on the host (one
+    synchronisation): from 0 to total, every length a multiple of 2W."""
+    rank, world = world_of(group)
+    sharding = PackedSharding(world)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_one_cu_seqlens("cu_seqlens", cu_seqlens, x)
+    sharding.check(cu_seqlens, x.shape[0])
+    return x.index_select(0, sharding.local_rows(cu_seqlens, rank, x.shape[0] // world))
+
+
+def unshard_packed(x: Tensor, cu_seqlens: Tensor, *, group=None) -> Tensor:
+    """The whole packed batch on every rank from each rank's rows x (an all-gather; no gradient)."""
+    _, world = world_of(group)
+    sharding = PackedSharding(world)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_one_cu_seqlens("cu_seqlens", cu_seqlens, x)
+    rows = torch.arange(world * x.shape[0], device=x.device)
+    return all_gather(x.detach(), group).index_select(0, sharding.gathered_rows(cu_seqlens, rows, x.shape[0]))
+
+
+def packed_positions(cu_seqlens: Tensor, local_total: int, *, group=None) -> Tensor:
+    """int64 ``[local_total]``: the position of each of this rank's rows within its sequence
+    (position_ids for rotary embeddings)."""
+    rank, world = world_of(group)
+    rows = PackedSharding(world).local_rows(cu_seqlens, rank, local_total)
+    bounds = cu_seqlens.long()
+    return rows - bounds[PackedSharding.sequence_of(bounds, rows)]
+
+
+@dataclass(frozen=True)
+class _ChunkCalls:
+    """The packed call of one rank: each of its chunks a sequence (2 per sequence of the batch,
+    in the order of its rows), with the keys that chunk sees laid one chunk after the other."""
+
+    cu_seqlens_q: Tensor  # int32 [2N + 1]
+    cu_seqlens_k: Tensor  # int32 [2N + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    key_rows: Tensor  # int64: for each key row of the call, its row in the all-gather
+
+    @classmethod
+    def plan(cls, sharding: PackedSharding, cu_seqlens: Tensor, rank: int, local_total: int, longest: int, causal):
+        bounds = cu_seqlens.long()
+        chunk = (bounds[1:] - bounds[:-1]) // sharding.chunks
+        if causal:  # chunk r sees its sequence's first r + 1 chunks, chunk 2W - 1 - r all but r
+            seen = torch.stack([(rank + 1) * chunk, (sharding.chunks - rank) * chunk], dim=1).flatten()
+            key_total = (sharding.chunks + 1) * local_total // 2
+            longest_keys = (sharding.chunks - rank) * (longest // sharding.chunks)
+        else:
+            seen = (chunk * sharding.chunks).repeat_interleave(2)
+            key_total = 2 * sharding.world * local_total
+            longest_keys = longest
+        cu_q = F.pad(chunk.repeat_interleave(2).cumsum(0), (1, 0))
+        cu_k = F.pad(seen.cumsum(0), (1, 0))
+        key_index = torch.arange(key_total, device=cu_seqlens.device)
+        call_sequence = PackedSharding.sequence_of(cu_k, key_index)
+        rows = bounds[call_sequence // 2] + key_index - cu_k[call_sequence]
+        return cls(
+            cu_q.int(), cu_k.int(), longest // sharding.chunks, longest_keys,
+            sharding.gathered_rows(cu_seqlens, rows, local_total),
+        )  # fmt: skip
+
+
+class _SharedPackedKeys(torch.autograd.Function):
+    """(keys, values) of a rank's packed call, gathered from every rank's rows by key_rows. The
+    backward adds their gradients in float32 (or wider) into the all-gather's layout, each row
+    at most twice (the two chunks of a sequence), then reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, k: Tensor, v: Tensor, key_rows: Tensor, group) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(key_rows)
+        ctx.group, ctx.head_dim, ctx.local_shape = group, k.shape[-1], (*k.shape[:-1], k.shape[-1] + v.shape[-1])
+        rows = all_gather(torch.cat([k, v], dim=-1), group).index_select(0, key_rows)
+        return rows[..., : ctx.head_dim], rows[..., ctx.head_dim :]
+
+    @staticmethod
+    def backward(ctx, keys_grad, values_grad):
+        (key_rows,) = ctx.saved_tensors
+        some = keys_grad if keys_grad is not None else values_grad
+        wide = torch.promote_types(some.dtype, torch.float32)
+        world = torch.distributed.get_world_size(ctx.group)
+        buffer = some.new_zeros((world * ctx.local_shape[0], *ctx.local_shape[1:]), dtype=wide)
+        for grad, columns in ((keys_grad, slice(None, ctx.head_dim)), (values_grad, slice(ctx.head_dim, None))):
+            if grad is not None:
+                # Deterministic: each row is added to at most twice, starting from zero.
+                buffer[:, :, columns].index_put_((key_rows,), grad.to(wide), accumulate=True)
+        local = reduce_scatter(buffer, ctx.group).to(some.dtype)
+        return local[..., : ctx.head_dim], local[..., ctx.head_dim :], None, None
+
+
+def _check_rows(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [T, H, D] (this rank's rows of the packed batch), got {tuple(t.shape)}")
+    rows = {name: t.shape[0] for name, t in (("q", q), ("k", k), ("v", v))}
+    if len(set(rows.values())) != 1:
+        raise ValueError(f"q, k and v must hold the same rows of the packed batch (self-attention), got {rows}")
+    if rows["q"] % 2:
+        raise ValueError(f"a rank holds two equal chunks of every sequence: {rows['q']} rows is not even")
+
+
+def _as_rows(t: Tensor, rows: int) -> Tensor:
+    """t as if it held rows rows: a stride-0 view, for the checks only."""
+    return t.as_strided((rows, *t.shape[1:]), (0, *t.stride()[1:]))
