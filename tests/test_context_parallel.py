@@ -202,7 +202,7 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
         for name, value in ours.items():
             torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
         return
-    baseline = _whole_sequence_call(case, (q, k, v, d_out, d_lse), kwargs)
+    baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs)
     for name, value in ours.items():
         base = baseline[name] if name == "dsinks" else share(baseline[name])
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
@@ -267,14 +267,16 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
         for name, value in ours.items():
             torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
         return
-    baseline = _whole_batch_call(case, (q, k, v, d_out, d_lse), cu, longest, kwargs)
+    packing = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": longest, "max_seqlen_k": longest}
+    baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs, **packing)
     for name, value in ours.items():
         base = baseline[name] if name == "dsinks" else shard_packed(baseline[name], cu)
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
 
 
-def _whole_batch_call(case: PackedCase, tensors, cu, longest, kwargs) -> dict:
-    """tile_fmha_varlen on the whole batch on one GPU: the baseline of the tolerance rule."""
+def _one_gpu_run(case, tensors, kwargs, **call_kwargs) -> dict:
+    """Our single-GPU call (tile_fmha_functional) on the whole sequence or batch: the baseline
+    of the tolerance rule. call_kwargs: a packed batch's lengths. The LSE as [rows, Hq] packed."""
     from tilegym import tile_fmha_functional
 
     q, k, v, d_out, d_lse = tensors
@@ -283,29 +285,9 @@ def _whole_batch_call(case: PackedCase, tensors, cu, longest, kwargs) -> dict:
     if "sinks" in kwargs:
         kwargs["sinks"] = kwargs["sinks"].detach().requires_grad_(case.training)
     out, lse = tile_fmha_functional(
-        *leaves, is_causal=case.causal, training=case.training, return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
-        max_seqlen_q=longest, max_seqlen_k=longest, **kwargs,
-    )  # fmt: skip
-    result = {"out": out, "lse": lse.T}
-    if case.training:
-        torch.autograd.backward([out, lse], [d_out, d_lse])
-        result.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
-        if "sinks" in kwargs:
-            result["dsinks"] = kwargs["sinks"].grad
-    return result
-
-
-def _whole_sequence_call(case: CpCase, tensors, kwargs) -> dict:
-    """Our single-GPU call on the whole sequence: the baseline of the tolerance rule."""
-    from tilegym import tile_fmha_functional
-
-    q, k, v, d_out, d_lse = tensors
-    leaves = [t.detach().requires_grad_(case.training) for t in (q, k, v)]
-    kwargs = dict(kwargs)
-    if "sinks" in kwargs:
-        kwargs["sinks"] = kwargs["sinks"].detach().requires_grad_(case.training)
-    out, lse = tile_fmha_functional(*leaves, is_causal=case.causal, training=case.training, return_lse=True, **kwargs)
-    result = {"out": out, "lse": lse}
+        *leaves, is_causal=case.causal, training=case.training, return_lse=True, **kwargs, **call_kwargs
+    )
+    result = {"out": out, "lse": lse.T if call_kwargs else lse}
     if case.training:
         torch.autograd.backward([out, lse], [d_out, d_lse])
         result.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
