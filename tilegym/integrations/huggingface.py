@@ -23,6 +23,7 @@ once per mask tensor; any other mask is read as it is). Softcapping (Gemma 2), a
 dropout is refused (the kernels have none), as is a position bias (T5).
 """
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -48,10 +49,56 @@ def register(name: str = NAME) -> str:
 
 def attention_mask(*args, **kwargs):
     """transformers' SDPA mask: 4D bool (True: seen), or None where SDPA would rely on is_causal.
-    A row that sees no key (a padded query) gives zeros."""
+    A row that sees no key (a padded query) gives zeros. Under context_parallel, None: the layers
+    see this rank's share of whole sequences, and a padding mask is refused."""
+    if _CONTEXT_PARALLEL:
+        padding = kwargs.get("attention_mask")
+        if padding is not None and not bool(padding.all()):
+            raise ValueError(
+                "padding (an attention_mask with zeros) is not supported under context_parallel: pass whole "
+                "sequences, or pack them with cu_seq_lens_q / cu_seq_lens_k"
+            )
+        return None
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _ContextParallel:
+    """The process group and layout of context_parallel."""
+
+    group: object
+    layout: str
+
+
+_CONTEXT_PARALLEL: list[_ContextParallel] = []  # innermost last
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, layout: str = "zigzag"):
+    """Within it, each call of a model on our attention holds this rank's share of its
+    sequences (tilegym.parallel), and every attention layer computes attention over the whole
+    sequences across the ranks of group.
+
+    One sequence per batch row: input_ids ``[B, L]`` this rank's share of ``[B, world x L]``
+    (``tilegym.parallel.shard_sequence(ids, dim=1, layout=layout)``) and position_ids its
+    global positions (``sequence_positions``). Packed sequences: FlashAttention's keyword
+    arguments of the whole batch (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, as
+    a flattening collator makes them; every length a multiple of 2 x world), input_ids
+    ``[1, T]`` this rank's rows (``shard_packed``) and position_ids their positions
+    (``packed_positions``). Training calls without a cache and without padding; the labels'
+    shift crosses shares, so pass ``shift_labels`` shifted on the whole sequence and sharded
+    alike, and reduce the loss and the gradients over the group."""
+    from tilegym.parallel.sharding import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _CONTEXT_PARALLEL.append(_ContextParallel(group, layout))
+    try:
+        yield
+    finally:
+        _CONTEXT_PARALLEL.pop()
 
 
 def attention_forward(
@@ -84,6 +131,12 @@ def attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     modifiers = {"softcap": softcap, "sinks": s_aux}
     packing = _given_packing(kwargs, query.shape[0])
+    if _CONTEXT_PARALLEL:
+        parallel = _CONTEXT_PARALLEL[-1]
+        out = _context_parallel(
+            parallel, query, key, value, attention_mask, scaling, causal, sliding_window, modifiers, packing
+        )
+        return out, None
     if packing is None and attention_mask is not None and not torch.compiler.is_compiling():
         # Sequences packed by position_ids: transformers made a mask of the whole row; where it
         # is exactly the packing's own, the packed kernels compute the same, with no mask to read.
@@ -115,6 +168,42 @@ def attention_forward(
             query, key, value, scaling, False, **modifiers, **_as_mask(attention_mask, query, key)
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _context_parallel(
+    parallel: _ContextParallel, query, key, value, mask, scaling, causal, sliding_window, modifiers, packing
+):
+    """One layer's call under context_parallel, as [B, L, Hq, Dv]: query, key and value hold
+    this rank's share (context_parallel says how)."""
+    from tilegym.parallel import context_parallel_attention, context_parallel_attention_varlen
+
+    if mask is not None:
+        raise ValueError(
+            "an attention mask reached a layer under context_parallel, where the layers see shares of whole "
+            "sequences: pass no mask of your own"
+        )
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"context_parallel computes self-attention over shares of whole sequences, got {query.shape[2]} "
+            f"queries and {key.shape[2]} keys (a cache? call the model with use_cache=False)"
+        )
+    window = _window(sliding_window, causal)
+    if packing is not None:
+        same = packing.cu_seqlens_k is packing.cu_seqlens_q or torch.equal(packing.cu_seqlens_k, packing.cu_seqlens_q)
+        if not same:
+            raise ValueError("context_parallel computes self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
+        longest = _longest(packing.max_seqlen_q, packing.cu_seqlens_q)
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D], views
+        out = context_parallel_attention_varlen(
+            q, k, v, packing.cu_seqlens_q, longest, scaling, causal, group=parallel.group, window_size=window,
+            **modifiers,
+        )  # fmt: skip
+        return out[None]
+    out = context_parallel_attention(
+        query, key, value, scaling, causal, group=parallel.group, layout=parallel.layout, window_size=window,
+        **modifiers,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous()
 
 
 def _window(sliding_window: int | None, causal: bool):
