@@ -314,8 +314,27 @@ def _worker(rank: int, world: int, backend: str, init_file: str, case_names: lis
             else:
                 _check_packed_case(PACKED_CASE_BY_NAME[name], rank, world, getattr(torch, dtype_name), device)
         _check_helpers(rank, world, device)
+        _check_compiled(rank, world, device)
     finally:
         dist.destroy_process_group()
+
+
+def _check_compiled(rank: int, world: int, device) -> None:
+    """A function calling context_parallel_attention under torch.compile: the same values and
+    gradients as called eagerly (the call itself runs eagerly, at a graph break)."""
+    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
+    whole = [torch.randn(1, 2, 8 * world, 64, dtype=torch.float64).to(device, dtype) for _ in range(3)]
+    results = []
+    for fn in (
+        lambda *t: context_parallel_attention(*t) * 2,
+        torch.compile(lambda *t: context_parallel_attention(*t) * 2, backend="eager"),
+    ):
+        leaves = [shard_sequence(t).requires_grad_() for t in whole]
+        out = fn(*leaves)
+        out.sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
 
 
 def _check_helpers(rank: int, world: int, device) -> None:

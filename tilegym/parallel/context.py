@@ -27,6 +27,7 @@ from tilegym.parallel.sharding import SequenceSharding, Span
 _SEQUENCE_DIM = 2
 
 
+@torch.compiler.disable
 def context_parallel_attention(
     q: Tensor,
     k: Tensor,
@@ -67,7 +68,8 @@ def context_parallel_attention(
 
     The gradients of k and v are this rank's share of the whole sequence's (summed over the
     ranks whose queries read them); that of sinks is this rank's rows' part: reduce it over the
-    group like any replicated parameter's gradient.
+    group like any replicated parameter's gradient. Under torch.compile the call runs eagerly
+    (a graph break: its collectives are not traced).
 
     Example, on each of 4 ranks (torchrun --nproc-per-node 4)::
 

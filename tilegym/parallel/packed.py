@@ -24,6 +24,7 @@ from tilegym.parallel.context import check_training, refuse_unaligned
 from tilegym.parallel.sharding import PackedSharding
 
 
+@torch.compiler.disable
 def context_parallel_attention_varlen(
     q: Tensor,
     k: Tensor,
@@ -57,7 +58,8 @@ def context_parallel_attention_varlen(
         scaling, is_causal, window_size, softcap, alibi_slopes, sinks: as tile_fmha_varlen on the
             whole batch (alibi_slopes ``[Hq]`` or ``[N, Hq]``). Without causal masking,
             window_size and alibi_slopes are refused (as context_parallel_attention).
-        training, group, return_lse: as context_parallel_attention; lse is ``[Hq, T]``.
+        training, group, return_lse: as context_parallel_attention; lse is ``[Hq, T]``. Under
+            torch.compile the call runs eagerly, as context_parallel_attention.
 
     Returns:
         ``[T, Hq, Dv]``: this rank's rows of the whole batch's attention, or ``(out, lse)``.
