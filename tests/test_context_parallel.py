@@ -315,8 +315,37 @@ def _worker(rank: int, world: int, backend: str, init_file: str, case_names: lis
                 _check_packed_case(PACKED_CASE_BY_NAME[name], rank, world, getattr(torch, dtype_name), device)
         _check_helpers(rank, world, device)
         _check_compiled(rank, world, device)
+        _check_input_forms(rank, world, device)
     finally:
         dist.destroy_process_group()
+
+
+def _check_input_forms(rank: int, world: int, device) -> None:
+    """q, k and v as strided views of one [B, L, 3, H, D] tensor (and of one packed [T, 3, H, D]
+    tensor), and k and v without gradients: the values and gradients of contiguous inputs."""
+    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
+    lengths = [2 * world * n for n in (3, 0, 5)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    forms = (
+        (torch.randn(2, 8 * world, 3, 2, 64, dtype=torch.float64), lambda t: shard_sequence(t, dim=1),
+         lambda t, i: t[:, :, i].transpose(1, 2), context_parallel_attention),
+        (torch.randn(int(cu[-1]), 3, 2, 64, dtype=torch.float64), lambda t: shard_packed(t, cu), lambda t, i: t[:, i],
+         lambda *t: context_parallel_attention_varlen(*t, cu, max(lengths))),
+    )  # fmt: skip
+    for whole, share_of, part, attention in forms:
+        share = share_of(whole.to(device, dtype))
+        packed_leaf = share.clone().requires_grad_()
+        views = [part(packed_leaf, i) for i in range(3)]
+        copies = [part(share, i).contiguous().requires_grad_() for i in range(3)]
+        query_only = part(share, 0).contiguous().requires_grad_()
+        outs = [attention(*views), attention(*copies), attention(query_only, *(t.detach() for t in copies[1:]))]
+        for out in outs:
+            out.float().square().sum().backward()
+        torch.testing.assert_close(outs[0], outs[1])
+        torch.testing.assert_close(outs[2], outs[1])
+        for i in range(3):
+            torch.testing.assert_close(part(packed_leaf.grad, i), copies[i].grad)
+        torch.testing.assert_close(query_only.grad, copies[0].grad)
 
 
 def _check_compiled(rank: int, world: int, device) -> None:
