@@ -21,6 +21,9 @@ mask, and those packed by position_ids where the model's mask is exactly their p
 once per mask tensor; any other mask is read as it is). Softcapping (Gemma 2), attention sinks
 (gpt-oss), sliding windows, GQA and the model's scaling are passed to the kernels. Attention
 dropout is refused (the kernels have none), as is a position bias (T5).
+
+Under context_parallel() each layer computes attention over whole sequences whose shares the
+ranks of a process group hold (tilegym.parallel): no masks are made there, padding is refused.
 """
 
 import contextlib

@@ -150,7 +150,7 @@ class _ChunkCalls:
     def plan(cls, sharding: PackedSharding, cu_seqlens: Tensor, rank: int, local_total: int, longest: int, causal):
         bounds = cu_seqlens.long()
         chunk = (bounds[1:] - bounds[:-1]) // sharding.chunks
-        if causal:  # chunk r sees its sequence's first r + 1 chunks, chunk 2W - 1 - r all but r
+        if causal:  # chunk r sees its sequence's first r + 1 chunks, chunk 2W - 1 - r its first 2W - r
             seen = torch.stack([(rank + 1) * chunk, (sharding.chunks - rank) * chunk], dim=1).flatten()
             key_total = (sharding.chunks + 1) * local_total // 2
             longest_keys = (sharding.chunks - rank) * (longest // sharding.chunks)
