@@ -378,14 +378,15 @@ def _packing_if_exact(mask, positions, causal: bool, sliding_window) -> _Packing
     end = torch.tensor([seqlen], device=mask.device)
     cu_seqlens = torch.cat([starts.nonzero().reshape(-1), end]).to(torch.int32)
     expected = _same_sequence(cu_seqlens, cu_seqlens, seqlen, seqlen)
-    rows = torch.arange(seqlen, device=mask.device)
-    distance = rows[:, None] - rows[None, :]  # query row minus key row
+    # Each rule by comparing a column of query rows with a row of key rows: bool [S, S] results
+    # only, no [S, S] integer distances (2 GiB at 16384 tokens).
+    query_rows, key_rows = torch.arange(seqlen, device=mask.device)[:, None], torch.arange(seqlen, device=mask.device)
     if causal:
-        expected &= distance >= 0
+        expected &= key_rows <= query_rows
     if sliding_window is not None:
-        expected &= distance < sliding_window
+        expected &= key_rows > query_rows - sliding_window
         if not causal:
-            expected &= -distance < sliding_window
+            expected &= key_rows < query_rows + sliding_window
     if not torch.equal(mask, expected):
         return False
     longest = _longest(None, cu_seqlens)  # once per mask, not once per layer
