@@ -69,6 +69,7 @@ CASES = [
     CpCase("zigzag-d128-scaled", "zigzag", 64, head_dim=128, value_dim=128, extra={"scaling": 0.3}),
     CpCase("zigzag-inference", "zigzag", 50, training=False, sinks=True),
     CpCase("one-position-chunks", "zigzag", 1),
+    CpCase("empty-sequence", "zigzag", 0),
 ]
 CASE_BY_NAME = {case.why: case for case in CASES}
 
@@ -98,6 +99,7 @@ PACKED_CASES = [
                softcap=20.0, sinks=True),
     PackedCase("packed-one-sequence-d128", (16,), head_dim=128, alibi="head"),
     PackedCase("packed-inference", (4, 7), training=False),
+    PackedCase("packed-empty-sequences", (0, 0)),
 ]  # fmt: skip
 PACKED_CASE_BY_NAME = {case.why: case for case in PACKED_CASES}
 
