@@ -389,7 +389,7 @@ def _spawn(world: int, backend: str, tmp_path, case_names: list, dtype_name: str
     mp.spawn(_worker, args=(world, backend, str(tmp_path / "rendezvous"), case_names, dtype_name), nprocs=world)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_context_parallel_matches_the_whole_sequence(world, tmp_path):
     _spawn(world, "gloo", tmp_path, [*CASE_BY_NAME, *PACKED_CASE_BY_NAME], "float64")
 
