@@ -69,11 +69,27 @@ def _compare(family: str, scenario: str, rank: int, dtype, device, logits_tolera
         our_logits = ours(**inputs).logits
     our_grads = torch.autograd.grad((our_logits * share(weights)).sum(), parameters[0], allow_unused=True)
     assert _relative_rms(our_logits, share(eager_logits)) < logits_tolerance, (family, scenario)
+    if scenario == "sequences":
+        _compare_loss(ours, eager, inputs, whole_pieces[0], share, logits_tolerance)
     names = [name for name, p in ours.named_parameters() if p.requires_grad]
     for name, mine, theirs in zip(names, our_grads, eager_grads, strict=True):
         mine = torch.zeros_like(theirs) if mine is None else mine.contiguous()
         dist.all_reduce(mine)  # each rank's share of the whole loss's gradient
         assert _relative_rms(mine, theirs) < grad_tolerance, (family, scenario, name)
+
+
+def _compare_loss(ours, eager, inputs, ids, share, tolerance) -> None:
+    """The causal LM loss as the README says to take it: shift_labels shifted on the whole
+    sequence, sharded like the inputs, each rank's loss over the whole batch's item count; their
+    sum is the whole sequence's loss."""
+    shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    items = (shifted != -100).sum()
+    expected = eager(input_ids=ids, labels=ids, use_cache=False, num_items_in_batch=items).loss
+    with huggingface.context_parallel():
+        mine = ours(**inputs, labels=share(ids), shift_labels=share(shifted), num_items_in_batch=items).loss
+    total = mine.detach().clone()
+    dist.all_reduce(total)
+    assert abs(total.item() - expected.item()) <= tolerance * abs(expected.item()), (total.item(), expected.item())
 
 
 def _worker(rank: int, init_file: str, on_gpu: bool) -> None:
