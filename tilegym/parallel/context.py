@@ -82,9 +82,7 @@ def context_parallel_attention(
     """
     rank, world = world_of(group)
     _check_shares(q, k, v)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    training = check_training(training, q, k, v, sinks)
+    training = check_training(training, return_lse, q, k, v, sinks)
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = SequenceSharding.of_share(layout, world, q.shape[_SEQUENCE_DIM])
     # Every error the kernels' checks would raise, raised before the collective: the widest
@@ -137,8 +135,11 @@ def sequence_positions(length: int, *, group=None, layout: str = "zigzag", devic
     return SequenceSharding(layout, world, length).positions(rank, device=device)
 
 
-def check_training(training, *tensors) -> bool:
-    """training as tile_fmha_functional reads it: None, by grad mode and requires_grad."""
+def check_training(training, return_lse, *tensors) -> bool:
+    """training as tile_fmha_functional reads it (None: by grad mode and the tensors'
+    requires_grad), after checking it and return_lse."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if training is None:
         return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
     if not isinstance(training, bool):

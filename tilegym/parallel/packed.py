@@ -66,9 +66,7 @@ def context_parallel_attention_varlen(
     """
     rank, world = world_of(group)
     _check_rows(q, k, v)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    training = check_training(training, q, k, v, sinks)
+    training = check_training(training, return_lse, q, k, v, sinks)
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = PackedSharding(world)
     _check_one_cu_seqlens("cu_seqlens", cu_seqlens, q)
