@@ -477,6 +477,8 @@ def _arguments(**changes):
         ({"is_causal": False, "window_size": (4, 4)}, ValueError, "window_size needs is_causal=True"),
         ({"is_causal": False, "alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes needs is_causal=True"),
         ({"is_causal": 1}, TypeError, "is_causal"),
+        ({"return_lse": 1}, TypeError, "return_lse must be a bool"),
+        ({"training": 0}, TypeError, "training must be a bool or None"),
         ({"group": "world"}, TypeError, "group"),
         ({}, ValueError, "CUDA tensor"),  # the kernels' own checks, before the collective
     ],
@@ -508,6 +510,7 @@ def _packed_arguments(**changes):
         ({"max_seqlen": 6.0}, TypeError, "max_seqlen must be an int"),
         ({"is_causal": False, "window_size": (2, 2)}, ValueError, "window_size needs is_causal=True"),
         ({"training": "yes"}, TypeError, "training must be a bool or None"),
+        ({"return_lse": None}, TypeError, "return_lse must be a bool"),
         ({}, ValueError, "CUDA tensor"),  # the packed kernels' own checks, before the collective
     ],
 )  # fmt: skip
