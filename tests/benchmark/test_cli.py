@@ -16,6 +16,7 @@ SCRIPTS = [
     "bench_attention.py",
     "bench_attention_backward.py",
     "bench_attention_variants.py",
+    "bench_context_parallel.py",
     "bench_huggingface.py",
     "bench_programmable.py",
     "bench_training_graphs.py",
