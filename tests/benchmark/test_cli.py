@@ -57,7 +57,7 @@ def test_cli_help_prints_and_starts_nothing(script):
     assert run.stdout.startswith(f"usage: {script}") and seconds < 20
     # The description's example commands stay one per line, as in the docstring.
     docstring = (ROOT / "tests" / "benchmark" / script).read_text().split('"""')[1]
-    examples = [line for line in docstring.splitlines() if line.strip().startswith(("python ", "ncu "))]
+    examples = [line for line in docstring.splitlines() if line.strip().startswith(("python ", "ncu ", "torchrun "))]
     assert examples and all(line in run.stdout.splitlines() for line in examples)
     # Every option has help, and options with a default show it (those without say what happens).
     options = run.stdout.split("\noptions:\n", 1)[1]
