@@ -218,7 +218,7 @@ def main(argv=None) -> None:
     p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 65536, 131072], help="whole sequence lengths")
     p.add_argument("--heads", type=int, default=16, help="query heads (hidden 2048 at D=128)")
     p.add_argument("--kv-heads", type=int, default=16, help="key/value heads")
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=128, help="D")
     p.add_argument("--steps", type=int, default=5, help="timed steps per cell, after 2 of warm-up")
     p.add_argument(
         "--packed-max",
