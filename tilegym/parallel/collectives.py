@@ -28,7 +28,8 @@ def all_gather(local: torch.Tensor, group) -> torch.Tensor:
     gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
     if world == 1:
         return gathered.copy_(local)
-    _all_gather_single(gathered, local, group=group)
+    if local.numel():  # every rank's share has one shape: all skip an empty one alike
+        _all_gather_single(gathered, local, group=group)
     return gathered
 
 
@@ -39,5 +40,6 @@ def reduce_scatter(gathered: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return gathered
     local = gathered.new_empty((gathered.shape[0] // world, *gathered.shape[1:]))
-    _reduce_scatter_single(local, gathered, group=group)
+    if local.numel():
+        _reduce_scatter_single(local, gathered, group=group)
     return local
