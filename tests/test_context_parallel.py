@@ -537,11 +537,12 @@ def test_packed_lengths_checked_on_request(one_rank_group, monkeypatch, cu, word
 def test_packed_plans_kept_per_cu_seqlens():
     """One plan per batch: kept for the same cu_seqlens tensor, made again when its contents
     change in place or for another tensor."""
-    plans, sharding = packed._KeptPlans(), packed.PackedSharding(2)
+    packed._PLANS.clear()
+    sharding = packed.PackedSharding(2)
     cu = torch.tensor([0, 8, 12], dtype=torch.int32)
-    first = plans.plan(sharding, cu, 1, 6, 8, True)
-    assert plans.plan(sharding, cu, 1, 6, 8, True) is first
-    assert plans.plan(sharding, cu.clone(), 1, 6, 8, True) is not first
+    first = packed._plan(sharding, cu, 1, 6, 8, True)
+    assert packed._plan(sharding, cu, 1, 6, 8, True) is first
+    assert packed._plan(sharding, cu.clone(), 1, 6, 8, True) is not first
     cu[1] = 4
-    changed = plans.plan(sharding, cu, 1, 6, 8, True)
+    changed = packed._plan(sharding, cu, 1, 6, 8, True)
     assert changed is not first and not torch.equal(changed.cu_seqlens_q, first.cu_seqlens_q)

@@ -229,7 +229,7 @@ def test_block_masks_kept_per_mask_tensor(monkeypatch):
     mask[0, 0, 3, 0] = False  # in place: a new version
     assert huggingface._as_mask(mask, q, q)["block_mask"] is not first
     assert huggingface._as_mask(mask, torch.randn(1, 2, 4, 32), torch.randn(1, 2, 4, 32))["block_mask"] is not None
-    assert len(huggingface._BLOCK_MASKS) <= huggingface._PerMask.KEPT
+    assert len(huggingface._BLOCK_MASKS) <= huggingface._BLOCK_MASKS.kept
 
 
 # gpt-oss's masks in transformers do not follow a packing by position_ids (its full layers get no

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+from tilegym.kept_values import KeptPerTensor
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.block_mask import BlockMask, create_block_mask
 
@@ -301,56 +302,22 @@ def _as_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> dict
     return {"block_mask": _block_mask(mask, mask_mod, mask_aux, (batch, heads, seqlen_q, seqlen_k), per_head)}
 
 
-class _PerMask:
-    """Values worked out from a mask tensor, kept for the masks last seen. A model passes one
-    mask tensor to all its layers of a kind (two kinds: sliding and full), so the work is done
-    once per step, not once per layer. An entry holds its tensors (mask, and position_ids where
-    they count), whose ids no other tensor can take while they live; an in-place change bumps a
-    tensor's version, which the entry compares."""
-
-    KEPT = 2
-
-    def __init__(self):
-        self._entries: dict[int, tuple] = {}
-
-    def find(self, mask: torch.Tensor, context: tuple, tensors: tuple = ()):
-        """The value kept for mask in this context (None: none)."""
-        entry = self._entries.get(id(mask))
-        if entry is None or entry[0] is not mask or entry[1] != self._state(mask, context, tensors):
-            return None
-        return entry[2]
-
-    def keep(self, mask: torch.Tensor, context: tuple, value, tensors: tuple = ()) -> None:
-        if len(self._entries) >= self.KEPT:
-            self._entries.clear()
-        self._entries[id(mask)] = (mask, self._state(mask, context, tensors), value, tensors)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @staticmethod
-    def _state(mask, context, tensors) -> tuple:
-        return (mask._version, context, tuple((id(t), t._version) for t in tensors))
-
-
-_BLOCK_MASKS = _PerMask()
-_PACKINGS = _PerMask()
+# Kept per mask tensor: transformers passes one mask to all layers of a kind (two kinds, sliding
+# and full), so a block mask is sorted, and a packing checked, once per step.
+_BLOCK_MASKS = KeptPerTensor()
+_PACKINGS = KeptPerTensor()
 
 
 def _block_mask(mask, mask_mod, mask_aux, sizes, per_head: bool) -> BlockMask:
     """A BlockMask reading mask_aux by mask_mod, sorted per batch entry of the mask (one entry
     for all when it has one) and per head only where it differs by head."""
-    found = _BLOCK_MASKS.find(mask, sizes)
-    if found is None:
-        batch, heads, seqlen_q, seqlen_k = sizes
-        found = create_block_mask(
+    batch, heads, seqlen_q, seqlen_k = sizes
+    return _BLOCK_MASKS.value_for(
+        mask, sizes,
+        lambda: create_block_mask(
             mask_mod, mask.shape[0], heads if per_head else None, seqlen_q, seqlen_k, mask.device, mask_aux
-        )
-        _BLOCK_MASKS.keep(mask, sizes, found)
-    return found
+        ),
+    )  # fmt: skip
 
 
 def _packing_of(mask, position_ids, causal: bool, sliding_window, query, key) -> _Packing | None:
@@ -363,10 +330,10 @@ def _packing_of(mask, position_ids, causal: bool, sliding_window, query, key) ->
     if not one_row or key.shape[2] != seqlen or position_ids is None or position_ids.numel() != seqlen:
         return None
     context = (causal, sliding_window)
-    found = _PACKINGS.find(mask, context, (position_ids,))
-    if found is None:
-        found = _packing_if_exact(mask[0, 0], position_ids.reshape(-1), causal, sliding_window)
-        _PACKINGS.keep(mask, context, found, (position_ids,))
+    found = _PACKINGS.value_for(
+        mask, context, lambda: _packing_if_exact(mask[0, 0], position_ids.reshape(-1), causal, sliding_window),
+        (position_ids,),
+    )  # fmt: skip
     return found or None
 
 

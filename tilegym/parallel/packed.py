@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tilegym import env
+from tilegym.kept_values import KeptPerTensor
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
 from tilegym.parallel.collectives import all_gather, reduce_scatter, world_of
@@ -80,7 +81,7 @@ def context_parallel_attention_varlen(
         sharding.check(cu_seqlens, world * q.shape[0], longest)
     if isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2:
         alibi_slopes = alibi_slopes.repeat_interleave(2, dim=0)  # per chunk: two per sequence
-    calls = _PLANS.plan(sharding, cu_seqlens, rank, q.shape[0], longest, is_causal)
+    calls = _plan(sharding, cu_seqlens, rank, q.shape[0], longest, is_causal)
     # Every error the packed kernels' checks would raise, before the collective.
     keys_view = _as_rows(k, calls.key_rows.numel())
     values_view = _as_rows(v, calls.key_rows.numel())
@@ -167,30 +168,15 @@ class _ChunkCalls:
         )  # fmt: skip
 
 
-class _KeptPlans:
-    """The plans last made, by their arguments and cu_seqlens' identity and version: a model
-    passes one cu_seqlens tensor to all its layers, so its plan (some fifteen small GPU
-    operations) is made once per batch, not once per layer. An entry holds its cu_seqlens, whose
-    id no other tensor can take while it lives; an in-place change bumps its version."""
-
-    KEPT = 2
-
-    def __init__(self):
-        self._entries: dict[tuple, tuple[Tensor, _ChunkCalls]] = {}
-
-    def plan(self, sharding, cu_seqlens: Tensor, rank: int, local_total: int, longest: int, causal: bool):
-        key = (id(cu_seqlens), cu_seqlens._version, sharding, rank, local_total, longest, causal)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] is cu_seqlens:
-            return entry[1]
-        calls = _ChunkCalls.plan(sharding, cu_seqlens, rank, local_total, longest, causal)
-        if len(self._entries) >= self.KEPT:
-            self._entries.clear()
-        self._entries[key] = (cu_seqlens, calls)
-        return calls
+# A model passes one cu_seqlens tensor to all its layers: its plan (some fifteen small GPU
+# operations) is made once per batch, not once per layer.
+_PLANS = KeptPerTensor()
 
 
-_PLANS = _KeptPlans()
+def _plan(sharding: PackedSharding, cu_seqlens: Tensor, rank: int, local_total: int, longest: int, causal: bool):
+    """The rank's _ChunkCalls, kept per cu_seqlens tensor."""
+    context = (sharding, rank, local_total, longest, causal)
+    return _PLANS.value_for(cu_seqlens, context, lambda: _ChunkCalls.plan(sharding, cu_seqlens, *context[1:]))
 
 
 class _SharedPackedKeys(torch.autograd.Function):
