@@ -502,7 +502,7 @@ def _packed_arguments(**changes):
     "changes, error, words",
     [
         ({"q": torch.randn(1, 8, 2, 64)}, ValueError, r"q must be \[T, H, D\]"),
-        ({"v": torch.randn(6, 2, 64)}, ValueError, "same rows"),
+        ({"v": torch.randn(6, 2, 64)}, ValueError, "same positions"),
         ({"q": torch.randn(7, 2, 64), "k": torch.randn(7, 2, 64), "v": torch.randn(7, 2, 64)}, ValueError, "not even"),
         ({"cu_seqlens": torch.tensor([0, 2, 8])}, TypeError, "cu_seqlens must be torch.int32"),
         ({"cu_seqlens": [0, 2, 8]}, TypeError, "cu_seqlens must be a torch.Tensor"),

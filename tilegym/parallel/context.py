@@ -81,14 +81,15 @@ def context_parallel_attention(
         out.sum().backward()
     """
     rank, world = world_of(group)
-    _check_shares(q, k, v)
+    check_shares(q, k, v, "[B, H, L, D]", "this rank's share of the sequence", _SEQUENCE_DIM)
     training = check_training(training, return_lse, q, k, v, sinks)
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = SequenceSharding.of_share(layout, world, q.shape[_SEQUENCE_DIM])
     # Every error the kernels' checks would raise, raised before the collective: the widest
     # call (all keys) as stride-0 views of this rank's keys.
     check_inputs(
-        q, _as_whole(k, sharding.length), _as_whole(v, sharding.length), scaling, is_causal,
+        q, as_length(k, _SEQUENCE_DIM, sharding.length), as_length(v, _SEQUENCE_DIM, sharding.length), scaling,
+        is_causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
     )  # fmt: skip
 
@@ -162,23 +163,23 @@ def refuse_unaligned(is_causal, window_size, alibi_slopes) -> None:
                 )
 
 
-def _check_shares(q, k, v) -> None:
+def check_shares(q, k, v, shape: str, held: str, dim: int) -> None:
+    """q, k and v: tensors of shape's rank (named in errors, with what they hold) that hold the
+    same positions along dim."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [B, H, L, D] (this rank's share of the sequence), got {tuple(t.shape)}")
-    lengths = {name: t.shape[_SEQUENCE_DIM] for name, t in (("q", q), ("k", k), ("v", v))}
+        if t.dim() != shape.count(",") + 1:
+            raise ValueError(f"{name} must be {shape} ({held}), got {tuple(t.shape)}")
+    lengths = {name: t.shape[dim] for name, t in (("q", q), ("k", k), ("v", v))}
     if len(set(lengths.values())) != 1:
-        raise ValueError(
-            f"q, k and v must hold the same positions of one sequence (self-attention), got lengths {lengths}"
-        )
+        raise ValueError(f"q, k and v must hold the same positions (self-attention), got {lengths} along dim {dim}")
 
 
-def _as_whole(t: Tensor, length: int) -> Tensor:
-    """t as if it held length positions: a stride-0 view, for the checks only."""
-    size = (*t.shape[:_SEQUENCE_DIM], length, *t.shape[_SEQUENCE_DIM + 1 :])
-    stride = (*t.stride()[:_SEQUENCE_DIM], 0, *t.stride()[_SEQUENCE_DIM + 1 :])
+def as_length(t: Tensor, dim: int, length: int) -> Tensor:
+    """t as if it held length positions along dim: a stride-0 view, for the checks only."""
+    size = (*t.shape[:dim], length, *t.shape[dim + 1 :])
+    stride = (*t.stride()[:dim], 0, *t.stride()[dim + 1 :])
     return t.as_strided(size, stride)
 
 

@@ -21,7 +21,7 @@ from tilegym.kept_values import KeptPerTensor
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
 from tilegym.parallel.collectives import all_gather, reduce_scatter, world_of
-from tilegym.parallel.context import check_training, refuse_unaligned
+from tilegym.parallel.context import as_length, check_shares, check_training, refuse_unaligned
 from tilegym.parallel.sharding import PackedSharding
 
 
@@ -66,7 +66,9 @@ def context_parallel_attention_varlen(
         ``[T, Hq, Dv]``: this rank's rows of the whole batch's attention, or ``(out, lse)``.
     """
     rank, world = world_of(group)
-    _check_rows(q, k, v)
+    check_shares(q, k, v, "[T, H, D]", "this rank's rows of the packed batch", 0)
+    if q.shape[0] % 2:
+        raise ValueError(f"a rank holds two equal chunks of every sequence: {q.shape[0]} rows is not even")
     training = check_training(training, return_lse, q, k, v, sinks)
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = PackedSharding(world)
@@ -83,8 +85,8 @@ def context_parallel_attention_varlen(
         alibi_slopes = alibi_slopes.repeat_interleave(2, dim=0)  # per chunk: two per sequence
     calls = _plan(sharding, cu_seqlens, rank, q.shape[0], longest, is_causal)
     # Every error the packed kernels' checks would raise, before the collective.
-    keys_view = _as_rows(k, calls.key_rows.numel())
-    values_view = _as_rows(v, calls.key_rows.numel())
+    keys_view = as_length(k, 0, calls.key_rows.numel())
+    values_view = as_length(v, 0, calls.key_rows.numel())
     check_packed_inputs(
         q, keys_view, values_view, calls.cu_seqlens_q, calls.cu_seqlens_k, calls.max_seqlen_q, calls.max_seqlen_k,
         scaling, is_causal, window_size, softcap, alibi_slopes, sinks, read_contents=False,
@@ -205,21 +207,3 @@ class _SharedPackedKeys(torch.autograd.Function):
                 buffer[:, :, columns].index_put_((key_rows,), grad.to(wide), accumulate=True)
         local = reduce_scatter(buffer, ctx.group).to(some.dtype)
         return local[..., : ctx.head_dim], local[..., ctx.head_dim :], None, None
-
-
-def _check_rows(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be [T, H, D] (this rank's rows of the packed batch), got {tuple(t.shape)}")
-    rows = {name: t.shape[0] for name, t in (("q", q), ("k", k), ("v", v))}
-    if len(set(rows.values())) != 1:
-        raise ValueError(f"q, k and v must hold the same rows of the packed batch (self-attention), got {rows}")
-    if rows["q"] % 2:
-        raise ValueError(f"a rank holds two equal chunks of every sequence: {rows['q']} rows is not even")
-
-
-def _as_rows(t: Tensor, rows: int) -> Tensor:
-    """t as if it held rows rows: a stride-0 view, for the checks only."""
-    return t.as_strided((rows, *t.shape[1:]), (0, *t.stride()[1:]))
