@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("zigzag", "contiguous")
+# Chunks each rank holds, per layout.
+CHUNKS_PER_RANK = {"zigzag": 2, "contiguous": 1}
+LAYOUTS = tuple(CHUNKS_PER_RANK)
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,7 @@ class SequenceSharding:
     @classmethod
     def of_share(cls, layout: str, world: int, local_length: int) -> "SequenceSharding":
         """The sharding whose ranks each hold local_length positions."""
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        per_rank = 2 if layout == "zigzag" else 1
-        if local_length % per_rank:
+        if local_length % CHUNKS_PER_RANK.get(layout, 1):
             raise ValueError(
                 f"the zigzag layout holds two equal chunks per rank: a share of {local_length} positions is not even"
             )
@@ -66,7 +65,7 @@ class SequenceSharding:
 
     @property
     def chunks(self) -> int:
-        return 2 * self.world if self.layout == "zigzag" else self.world
+        return CHUNKS_PER_RANK[self.layout] * self.world
 
     @property
     def chunk_length(self) -> int:
@@ -105,7 +104,7 @@ class SequenceSharding:
         place = {}
         for rank in range(self.world):
             for slot, chunk in enumerate(self.chunk_indices(rank)):
-                place[chunk] = rank * len(self.chunk_indices(rank)) + slot
+                place[chunk] = rank * CHUNKS_PER_RANK[self.layout] + slot
         return tuple(place[chunk] for chunk in range(self.chunks))
 
     def shard(self, x: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
