@@ -43,3 +43,11 @@ def reduce_scatter(gathered: torch.Tensor, group) -> torch.Tensor:
     if local.numel():
         _reduce_scatter_single(local, gathered, group=group)
     return local
+
+
+def gradient_buffer(like: torch.Tensor, local_shape: tuple, group) -> torch.Tensor:
+    """Zeros laid out as an all-gather of local_shape shares ([world x n, ...]), in float32 or
+    like's wider dtype: where a rank adds the gradients of what it read of every share, before
+    reduce_scatter sums them into each share's own (no partial sum rounded to 16 bits)."""
+    wide = torch.promote_types(like.dtype, torch.float32)
+    return like.new_zeros((dist.get_world_size(group) * local_shape[0], *local_shape[1:]), dtype=wide)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.problem import check_inputs
-from tilegym.parallel.collectives import all_gather, reduce_scatter, world_of
+from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
 from tilegym.parallel.sharding import SequenceSharding, Span
 
 _SEQUENCE_DIM = 2
@@ -213,8 +213,7 @@ class _SharedKeys(torch.autograd.Function):
         sharding, head_dim = ctx.sharding, ctx.head_dim
         local_shape = ctx.local_shape
         some = next(g for g in grads if g is not None)
-        wide = torch.promote_types(some.dtype, torch.float32)
-        buffer = some.new_zeros((sharding.world * local_shape[0], *local_shape[1:]), dtype=wide)
+        buffer = gradient_buffer(some, local_shape, ctx.group)
         size, places = sharding.chunk_length, sharding.gathered_order()
         for index, keys in enumerate(ctx.seen):
             for grad, columns in (

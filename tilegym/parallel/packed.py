@@ -20,7 +20,7 @@ from tilegym import env
 from tilegym.kept_values import KeptPerTensor
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
-from tilegym.parallel.collectives import all_gather, reduce_scatter, world_of
+from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
 from tilegym.parallel.context import as_length, check_shares, check_training, refuse_unaligned
 from tilegym.parallel.sharding import PackedSharding
 
@@ -198,12 +198,10 @@ class _SharedPackedKeys(torch.autograd.Function):
     def backward(ctx, keys_grad, values_grad):
         (key_rows,) = ctx.saved_tensors
         some = keys_grad if keys_grad is not None else values_grad
-        wide = torch.promote_types(some.dtype, torch.float32)
-        world = torch.distributed.get_world_size(ctx.group)
-        buffer = some.new_zeros((world * ctx.local_shape[0], *ctx.local_shape[1:]), dtype=wide)
+        buffer = gradient_buffer(some, ctx.local_shape, ctx.group)
         for grad, columns in ((keys_grad, slice(None, ctx.head_dim)), (values_grad, slice(ctx.head_dim, None))):
             if grad is not None:
                 # Deterministic: each row is added to at most twice, starting from zero.
-                buffer[:, :, columns].index_put_((key_rows,), grad.to(wide), accumulate=True)
+                buffer[:, :, columns].index_put_((key_rows,), grad.to(buffer.dtype), accumulate=True)
         local = reduce_scatter(buffer, ctx.group).to(some.dtype)
         return local[..., : ctx.head_dim], local[..., ctx.head_dim :], None, None
