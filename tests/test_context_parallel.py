@@ -318,6 +318,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, case_names: lis
         _check_helpers(rank, world, device)
         _check_compiled(rank, world, device)
         _check_input_forms(rank, world, device)
+        _check_checkpointed(rank, world, device)
     finally:
         dist.destroy_process_group()
 
@@ -366,6 +367,41 @@ def _check_compiled(rank: int, world: int, device) -> None:
         results.append([out, *(t.grad for t in leaves)])
     for eager, compiled in zip(*results, strict=True):
         assert torch.equal(eager, compiled)
+
+
+def _check_checkpointed(rank: int, world: int, device) -> None:
+    """Under activation checkpointing (torch.utils.checkpoint, either form), whose backward runs
+    the forward's collectives again: the values and gradients of the plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
+    lengths = [2 * world * n for n in (4, 1, 6)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    dense = [torch.randn(1, 2, 8 * world, 64, dtype=torch.float64) for _ in range(3)]
+    packed_whole = [torch.randn(int(cu[-1]), 2, 64, dtype=torch.float64) for _ in range(3)]
+    forms = (
+        ([shard_sequence(t.to(device, dtype)) for t in dense], context_parallel_attention),
+        ([shard_packed(t.to(device, dtype), cu) for t in packed_whole],
+         lambda *t: context_parallel_attention_varlen(*t, cu, max(lengths), window_size=(5, 0))),
+    )  # fmt: skip
+
+    def layer(attention, q, k, v):  # a layer's attention between two elementwise operations
+        return attention(q * 1.5, k, v).float().square()
+
+    for shares, attention in forms:
+        results = []
+        for wrap in (
+            lambda *t: layer(attention, *t),
+            lambda *t: checkpoint(layer, attention, *t, use_reentrant=False),
+            lambda *t: checkpoint(layer, attention, *t, use_reentrant=True),
+        ):
+            leaves = [t.clone().requires_grad_() for t in shares]
+            out = wrap(*leaves)
+            out.sum().backward()
+            results.append([out, *(t.grad for t in leaves)])
+        for plain, *checkpointed in zip(*results, strict=True):
+            for value in checkpointed:
+                torch.testing.assert_close(value, plain)
 
 
 def _check_helpers(rank: int, world: int, device) -> None:
