@@ -318,7 +318,8 @@ def _worker(rank: int, world: int, backend: str, init_file: str, case_names: lis
         _check_helpers(rank, world, device)
         _check_compiled(rank, world, device)
         _check_input_forms(rank, world, device)
-        _check_checkpointed(rank, world, device)
+        if device.type == "cpu":  # not yet run with the kernels (docs/attention.md)
+            _check_checkpointed(rank, world, device)
     finally:
         dist.destroy_process_group()
 
@@ -448,65 +449,24 @@ def test_op_context_parallel_ranks_sharing_a_gpu(dtype_name, tmp_path):
     _spawn(2, "gloo", tmp_path, [*CASE_BY_NAME, *PACKED_CASE_BY_NAME], dtype_name)
 
 
-def _graph_worker(rank: int, world: int, init_file: str) -> None:
-    """A training step of each call (dense, packed) captured in a CUDA graph, its collectives
-    with it: replayed on fresh inputs, with its output and gradients poisoned first, it gives
-    the eager call's results on them."""
-    from tests.ops.attention_cases import capture_training_step
-
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        lengths = [2 * world * n for n in (40, 3, 65)]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        local_total = int(cu[-1]) // world
-        forms = (
-            ("dense", [(1, 4, 96 * world, 64), (1, 2, 96 * world, 64), (1, 2, 96 * world, 64)],
-             lambda t: shard_sequence(t), lambda *t: context_parallel_attention(*t, window_size=(100, 0))),
-            ("packed", [(int(cu[-1]), 4, 64), (int(cu[-1]), 2, 64), (int(cu[-1]), 2, 64)],
-             lambda t: shard_packed(t, cu), lambda *t: context_parallel_attention_varlen(*t, cu, max(lengths))),
-        )  # fmt: skip
-        generator = torch.Generator(device=device).manual_seed(11)
-
-        def fresh(shapes, share_of):  # the same whole tensors on every rank, this rank's share
-            return [share_of(torch.randn(shape, device=device, generator=generator)).bfloat16() for shape in shapes]
-
-        for name, shapes, share_of, attention in forms:
-            leaves = [t.requires_grad_() for t in fresh(shapes, share_of)]
-            d_out = fresh(shapes[:1], share_of)[0]
-            assert leaves[0].shape[-3 if name == "packed" else -2] == (local_total if name == "packed" else 96)
-
-            def step(attention=attention, leaves=leaves, d_out=d_out):
-                out = attention(*leaves)
-                out.backward(d_out)
-                return out
-
-            graph, out = capture_training_step(step, leaves)
-            with torch.no_grad():
-                for t, new in zip([*leaves, d_out], fresh(shapes, share_of) + fresh(shapes[:1], share_of), strict=True):
-                    t.copy_(new)
-                for t in (out, *(leaf.grad for leaf in leaves)):
-                    t.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-
-            eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
-            eager_out = attention(*eager_leaves)
-            eager_out.backward(d_out)
-            got = (out, *(t.grad for t in leaves))
-            eager = (eager_out, *(t.grad for t in eager_leaves))
-            for part, ours, theirs in zip(("out", "dq", "dk", "dv"), got, eager, strict=True):
-                assert not ours.isnan().any(), f"{name} {part}: NaN after the replay"
-                where = f"{name} {part} differs from the eager call"
-                torch.testing.assert_close(ours, theirs, msg=lambda m, where=where: f"{where}: {m}")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.skipif(_GPUS < 2, reason="needs 2 CUDA GPUs")
-def test_op_context_parallel_in_a_cuda_graph(tmp_path):
-    mp.spawn(_graph_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2)
+@requires_cuda
+def test_op_context_parallel_refused_in_a_cuda_graph(one_rank_group):
+    """Inside a CUDA graph capture both calls raise before any collective or launch, and the
+    capture ends cleanly (an empty graph); the calls then run eagerly as before."""
+    q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    packed_q = q[0].transpose(0, 1).contiguous()
+    calls = (
+        lambda: context_parallel_attention(q, q, q),
+        lambda: context_parallel_attention_varlen(packed_q, packed_q, packed_q, cu, 8),
+    )
+    for call in calls:
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                call()
+        torch.cuda.synchronize()
+        assert not call().isnan().any()
 
 
 def test_sharding_layouts():

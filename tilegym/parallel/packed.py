@@ -21,7 +21,7 @@ from tilegym.kept_values import KeptPerTensor
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
 from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
-from tilegym.parallel.context import as_length, check_shares, check_training, refuse_unaligned
+from tilegym.parallel.context import as_length, check_shares, check_training, refuse_capture, refuse_unaligned
 from tilegym.parallel.sharding import PackedSharding
 
 
@@ -65,6 +65,7 @@ def context_parallel_attention_varlen(
     Returns:
         ``[T, Hq, Dv]``: this rank's rows of the whole batch's attention, or ``(out, lse)``.
     """
+    refuse_capture("context_parallel_attention_varlen")
     rank, world = world_of(group)
     check_shares(q, k, v, "[T, H, D]", "this rank's rows of the packed batch", 0)
     if q.shape[0] % 2:
