@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from tests.ops.attention_cases import assert_close_to_reference, reference_run
 from tests.ops.conftest import requires_cuda  # also: tests use each table's first config
+from tilegym.ops.attention import score_functions
 from tilegym.ops.attention.reference import attention_reference
 from tilegym.parallel import (
     SequenceSharding,
@@ -51,6 +52,7 @@ class CpCase:
     sinks: bool = False
     training: bool = True
     extra: dict = field(default_factory=dict)
+    functions: str | None = None  # a key of _FUNCTIONS
 
     def __str__(self):
         return self.why
@@ -68,6 +70,9 @@ CASES = [
     CpCase("zigzag-mla-dims", "zigzag", 48, head_dim=192, value_dim=128, q_heads=2, kv_heads=1),
     CpCase("zigzag-d128-scaled", "zigzag", 64, head_dim=128, value_dim=128, extra={"scaling": 0.3}),
     CpCase("zigzag-inference", "zigzag", 50, training=False, sinks=True),
+    CpCase("zigzag-relative-table", "zigzag", 24, functions="relative"),  # a learned table, its gradient
+    CpCase("zigzag-document-mask", "zigzag", 30, batch=2, functions="documents"),
+    CpCase("contiguous-full-alibi-function", "contiguous", 36, causal=False, functions="alibi"),
     CpCase("one-position-chunks", "zigzag", 1),
     CpCase("empty-sequence", "zigzag", 0),
 ]
@@ -87,6 +92,7 @@ class PackedCase:
     alibi: str | None = None  # "head": [Hq]; "sequence": [N, Hq]
     sinks: bool = False
     training: bool = True
+    functions: str | None = None  # a key of _FUNCTIONS
 
     def __str__(self):
         return self.why
@@ -99,9 +105,99 @@ PACKED_CASES = [
                softcap=20.0, sinks=True),
     PackedCase("packed-one-sequence-d128", (16,), head_dim=128, alibi="head"),
     PackedCase("packed-inference", (4, 7), training=False),
+    PackedCase("packed-document-mask", (5, 0, 8), functions="documents"),
+    PackedCase("packed-relative-table", (4, 9), causal=False, functions="relative"),
     PackedCase("packed-empty-sequences", (0, 0)),
 ]  # fmt: skip
 PACKED_CASE_BY_NAME = {case.why: case for case in PACKED_CASES}
+
+
+# The caller's functions of the function cases (ready-made cuTile ones), each with its meaning in
+# PyTorch: what the float64 reference runs, and the CPU stand-in in the kernels' place.
+_REACH = 20
+
+
+def _relative_twin(scores, b, h, q_idx, kv_idx, aux):
+    return scores + aux[0][h, (kv_idx - q_idx).clamp(-_REACH, _REACH) + _REACH].to(scores.dtype)
+
+
+def _alibi_twin(scores, b, h, q_idx, kv_idx, aux):
+    return scores - aux[0][h].to(scores.dtype) * (q_idx - kv_idx).abs().to(scores.dtype)
+
+
+def _documents_twin(b, h, q_idx, kv_idx, mask_aux):
+    docs = mask_aux[0].long()
+    return docs[b, q_idx] == docs[b, kv_idx]
+
+
+def _functions(name: str, rows: int, length: int, q_heads: int, device, training: bool, generator) -> dict:
+    """The keyword arguments of a function case on the whole sequence (rows of length positions:
+    batch entries, or a packed batch's sequences), its tensors drawn by generator."""
+    if name == "relative":
+        table = torch.randn(q_heads, 2 * _REACH + 1, generator=generator, dtype=torch.float64) * 0.5
+        table = table.to(device, torch.float64 if device.type == "cpu" else torch.float32)  # the stand-in's precision
+        return score_functions.relative_position_bias(table.requires_grad_(training), _REACH)
+    if name == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / q_heads) for h in range(q_heads)], device=device)
+        return score_functions.alibi(slopes, length, length)
+    starts = torch.rand(rows, length, generator=generator) < 0.15  # a new document at about 1 in 7 positions
+    return score_functions.document_mask(starts.int().cumsum(-1).int().to(device))
+
+
+_TWINS = {}
+
+
+def _twin_of(functions: dict):
+    """attention_reference's score_mod for the caller's functions and tensors in functions: b,
+    q_idx and kv_idx as the functions see them."""
+    if not _TWINS:
+        _TWINS[score_functions.relative_position_bias(torch.zeros(1, 2 * _REACH + 1), _REACH)["score_mod"]] = (
+            _relative_twin
+        )
+        _TWINS[score_functions.alibi(torch.zeros(1), 1, 1)["score_mod"]] = _alibi_twin
+        _TWINS[score_functions.document_mask(torch.zeros(1, 1))["mask_mod"]] = _documents_twin
+    score_twin, mask_twin = _TWINS.get(functions.get("score_mod")), _TWINS.get(functions.get("mask_mod"))
+    assert (score_twin is None) == (functions.get("score_mod") is None), "a score function without its twin"
+    assert (mask_twin is None) == (functions.get("mask_mod") is None), "a mask function without its twin"
+    aux, mask_aux = functions.get("aux") or (), functions.get("mask_aux") or ()
+
+    def score_mod(scores, b, h, q_idx, kv_idx):
+        if score_twin is not None:
+            scores = score_twin(scores, b, h, q_idx, kv_idx, aux)
+        if mask_twin is not None:
+            scores = scores.masked_fill(~mask_twin(b, h, q_idx, kv_idx, mask_aux), -torch.inf)
+        return scores
+
+    return score_mod
+
+
+_FUNCTION_ARGUMENTS = ("score_mod", "score_mod_grad", "aux", "aux_grad", "mask_mod", "mask_aux")
+
+
+def _split_functions(kwargs: dict) -> dict:
+    """The function arguments of kwargs, taken out of it."""
+    return {name: kwargs.pop(name) for name in _FUNCTION_ARGUMENTS if kwargs.get(name) is not None}
+
+
+def _unwrapped_twin(functions: dict):
+    """The twin of functions as context parallelism passes them to a call (wrapped, the call's
+    offsets last in aux and mask_aux): the caller's functions at the whole sequence's positions."""
+    wrapped = next(functions[role] for role in ("score_mod", "mask_mod") if role in functions)
+    rows_per_row = wrapped.__globals__["_CALL_ROWS_PER_ROW"]
+    caller = {role: function.wraps for role, function in functions.items() if role in ("score_mod", "mask_mod")}
+    offsets = (functions["aux"] if "score_mod" in functions else functions["mask_aux"])[-1].long()
+    if "score_mod" in functions:
+        caller["aux"] = functions["aux"][:-1]
+    elif "aux" in functions:
+        caller["aux"] = functions["aux"]
+    if "mask_mod" in functions:
+        caller["mask_aux"] = functions["mask_aux"][:-1]
+    inner = _twin_of(caller)
+
+    def score_mod(scores, b, h, q_idx, kv_idx):
+        return inner(scores, b // rows_per_row, h, q_idx + offsets[b, 0], kv_idx + offsets[b, 1])
+
+    return score_mod
 
 
 def _reference_functional(q, k, v, scaling=None, is_causal=True, training=None, *, return_lse=False, **kwargs):
@@ -109,6 +205,9 @@ def _reference_functional(q, k, v, scaling=None, is_causal=True, training=None, 
     packed (cu_seqlens_q, ...), sequence by sequence."""
     assert return_lse and isinstance(training, bool)
     kwargs = {name: value for name, value in kwargs.items() if value is not None}
+    functions = _split_functions(kwargs)
+    if functions:
+        kwargs["score_mod"] = _unwrapped_twin(functions)
     cu_q, cu_k = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None)
     if cu_q is None:
         out, lse = attention_reference(q, k, v, scaling, is_causal, **kwargs)
@@ -134,6 +233,8 @@ def _packed_reference(q, k, v, cu_q: list, cu_k: list, scaling, causal: bool, kw
         slopes = one.get("alibi_slopes")
         if slopes is not None and slopes.dim() == 2:
             one["alibi_slopes"] = slopes[s]
+        if "score_mod" in one:  # b counts the batch's sequences
+            one["score_mod"] = lambda scores, b, *rest, s=s, twin=kwargs["score_mod"]: twin(scores, b + s, *rest)
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         parts = (t[span].transpose(0, 1)[None] for t, span in ((q, rows), (k, keys), (v, keys)))
         out, lse = attention_reference(*parts, scaling, causal, **one)
@@ -168,7 +269,33 @@ def _inputs(case: CpCase, length: int, dtype, device):
     if case.sinks:
         sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         kwargs["sinks"] = draw(case.q_heads).to(sink_dtype).requires_grad_(case.training)
+    if case.functions:
+        kwargs.update(_functions(case.functions, case.batch, length, case.q_heads, device, case.training, generator))
     return (q, k, v, d_out, d_lse), kwargs
+
+
+def _learned(kwargs: dict) -> list:
+    """The aux tensors of kwargs that require grad."""
+    return [t for t in kwargs.get("aux") or () if t.requires_grad]
+
+
+def _function_reference(q, k, v, d_out, d_lse, causal: bool, kwargs: dict, cu: list | None = None):
+    """(out, lse, grads) of the float64 reference for a function case (dense, or packed by cu):
+    grads holds dq, dk, dv, then the gradient of each learned aux tensor."""
+    plain = dict(kwargs)
+    functions = _split_functions(plain)
+    assert not plain.get("sinks"), "function cases run without sinks"
+    if "aux" in functions:
+        functions["aux"] = tuple(t.detach().double().requires_grad_(t.requires_grad) for t in functions["aux"])
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    plain["score_mod"] = _twin_of(functions)
+    if cu is None:
+        out, lse = attention_reference(*inputs, None, causal, **plain)
+    else:
+        out, lse = _packed_reference(*inputs, cu, cu, None, causal, plain)
+    learned = _learned(functions)
+    grads = torch.autograd.grad([out, lse], inputs + learned, [d_out.double(), d_lse.double()])
+    return out, lse, grads
 
 
 def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
@@ -189,10 +316,13 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
     sinks = kwargs.get("sinks")
     if sinks is not None and case.training:
         dist.all_reduce(sinks.grad)  # each rank's rows' part
+    for table in _learned(kwargs):
+        dist.all_reduce(table.grad)  # likewise
 
-    ref_out, ref_lse, ref_grads = reference_run(
-        q, k, v, d_out, case.causal, kwargs, torch.float64, d_lse=d_lse
-    )  # fmt: skip
+    if case.functions:
+        ref_out, ref_lse, ref_grads = _function_reference(q, k, v, d_out, d_lse, case.causal, kwargs)
+    else:
+        ref_out, ref_lse, ref_grads = reference_run(q, k, v, d_out, case.causal, kwargs, torch.float64, d_lse=d_lse)
     ours = {"out": out, "lse": lse}
     expected = {"out": share(ref_out), "lse": share(ref_lse)}
     if case.training:
@@ -200,13 +330,15 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
         expected.update(dq=share(ref_grads[0]), dk=share(ref_grads[1]), dv=share(ref_grads[2]))
         if sinks is not None:
             ours["dsinks"], expected["dsinks"] = sinks.grad, ref_grads[3]
+        for table in _learned(kwargs):
+            ours["daux"], expected["daux"] = table.grad, ref_grads[3]
     if dtype == torch.float64:  # the reference stood in for the kernels: the same sums
         for name, value in ours.items():
             torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
         return
     baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs)
     for name, value in ours.items():
-        base = baseline[name] if name == "dsinks" else share(baseline[name])
+        base = baseline[name] if name in ("dsinks", "daux") else share(baseline[name])
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
 
 
@@ -237,6 +369,8 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
         )  # fmt: skip
     if case.sinks:
         kwargs["sinks"] = draw(case.q_heads).to(_lse_dtype(dtype)).requires_grad_(case.training)
+    if case.functions:
+        kwargs.update(_functions(case.functions, len(lengths), longest, case.q_heads, device, case.training, generator))
 
     leaves = [shard_packed(t, cu).detach().requires_grad_(case.training) for t in (q, k, v)]
     out, lse = context_parallel_attention_varlen(
@@ -249,15 +383,20 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
     sinks = kwargs.get("sinks")
     if sinks is not None and case.training:
         dist.all_reduce(sinks.grad)
+    for table in _learned(kwargs):
+        dist.all_reduce(table.grad)
 
-    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_kwargs = dict(kwargs)
-    if sinks is not None:
-        ref_kwargs["sinks"] = sinks.detach().double().requires_grad_()
-        inputs.append(ref_kwargs["sinks"])
     cu_list = cu.tolist()
-    ref_out, ref_lse = _packed_reference(*inputs[:3], cu_list, cu_list, None, case.causal, ref_kwargs)
-    ref_grads = torch.autograd.grad([ref_out, ref_lse], inputs, [d_out.double(), d_lse.double()])
+    if case.functions:
+        ref_out, ref_lse, ref_grads = _function_reference(q, k, v, d_out, d_lse, case.causal, kwargs, cu_list)
+    else:
+        inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref_kwargs = dict(kwargs)
+        if sinks is not None:
+            ref_kwargs["sinks"] = sinks.detach().double().requires_grad_()
+            inputs.append(ref_kwargs["sinks"])
+        ref_out, ref_lse = _packed_reference(*inputs[:3], cu_list, cu_list, None, case.causal, ref_kwargs)
+        ref_grads = torch.autograd.grad([ref_out, ref_lse], inputs, [d_out.double(), d_lse.double()])
     ours = {"out": out, "lse": lse.T}
     expected = {"out": shard_packed(ref_out, cu), "lse": shard_packed(ref_lse.T, cu)}
     if case.training:
@@ -265,6 +404,8 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
             ours[name], expected[name] = leaves[index].grad, shard_packed(ref_grads[index], cu)
         if sinks is not None:
             ours["dsinks"], expected["dsinks"] = sinks.grad, ref_grads[3]
+        for table in _learned(kwargs):
+            ours["daux"], expected["daux"] = table.grad, ref_grads[3]
     if dtype == torch.float64:
         for name, value in ours.items():
             torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
@@ -272,7 +413,7 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
     packing = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": longest, "max_seqlen_k": longest}
     baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs, **packing)
     for name, value in ours.items():
-        base = baseline[name] if name == "dsinks" else shard_packed(baseline[name], cu)
+        base = baseline[name] if name in ("dsinks", "daux") else shard_packed(baseline[name], cu)
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
 
 
@@ -286,6 +427,8 @@ def _one_gpu_run(case, tensors, kwargs, **call_kwargs) -> dict:
     kwargs = dict(kwargs)
     if "sinks" in kwargs:
         kwargs["sinks"] = kwargs["sinks"].detach().requires_grad_(case.training)
+    if kwargs.get("aux") is not None:
+        kwargs["aux"] = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in kwargs["aux"])
     out, lse = tile_fmha_functional(
         *leaves, is_causal=case.causal, training=case.training, return_lse=True, **kwargs, **call_kwargs
     )
@@ -295,6 +438,8 @@ def _one_gpu_run(case, tensors, kwargs, **call_kwargs) -> dict:
         result.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
         if "sinks" in kwargs:
             result["dsinks"] = kwargs["sinks"].grad
+        for table in _learned(kwargs):
+            result["daux"] = table.grad
     return result
 
 
@@ -469,6 +614,58 @@ def test_op_context_parallel_refused_in_a_cuda_graph(one_rank_group):
         assert not call().isnan().any()
 
 
+@pytest.mark.parametrize("rows_per_row", [1, 2], ids=["dense", "packed"])
+def test_functions_at_global_positions_compile_into_the_kernels(rows_per_row):
+    """The wrapped functions (functions.py) compile for sm_90 into the forward, dQ and dK/dV
+    kernels (bf16, D=64, each table's first config) with the offsets in the aux slot after the
+    caller's: a learned relative table with its gradient, and a document mask, also into the
+    kernel that sorts a block mask's tiles."""
+    import tempfile
+    from pathlib import Path
+
+    import cuda.tile as ct
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint, export_kernel
+
+    from tests.ops import sass
+    from tilegym.ops.attention import configs, programmable
+    from tilegym.ops.attention.kernels.block_mask import block_mask_kernel
+    from tilegym.ops.attention.score_mods import ScoreMods
+    from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, FORWARD_LSE
+    from tilegym.parallel.functions import ChunkFunctions
+
+    if sass.cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    q = torch.zeros(1, 2, 8, 64)
+    offsets = torch.zeros(2, 2, dtype=torch.int32)
+    relative = score_functions.relative_position_bias(torch.zeros(2, 2 * _REACH + 1), _REACH)
+    documents = score_functions.document_mask(torch.zeros(2, 8, dtype=torch.int32))
+    cases = (
+        (relative, {"Aux0": (ct.float32, 2), "Aux1": (ct.int32, 2), "AuxGrad0": (ct.float32, 2)}, False),
+        (documents, {"MaskAux0": (ct.int32, 2), "MaskAux1": (ct.int32, 2)}, True),
+    )
+    with tempfile.TemporaryDirectory() as workdir:
+        for given, arrays, masks in cases:
+            arguments = ChunkFunctions.of(q, rows_per_row, **given).arguments(offsets)
+            functions = programmable.user_functions(
+                *(arguments.get(role) for role in ("score_mod", "score_mod_grad", "aux_grad", "mask_mod"))
+            )
+            tables = configs.score_tables(ScoreMods(user=functions).switches)
+            for variant in (FORWARD_LSE, BACKWARD_DQ, BACKWARD_DKDV):
+                config = configs.candidates(variant, "sm_90", 64, 2, tables)[0]
+                path = sass.compile_cubin(variant, ct.bfloat16, 64, config, True, "sm_90", Path(workdir) / "k.cubin",
+                                          {"block_sparse": masks, "varlen": rows_per_row == 2}, functions=functions,
+                                          arrays=arrays)  # fmt: skip
+                assert "HGMMA" in sass.disassemble(path), variant
+            if masks:
+                kernel = programmable.user_kernel(block_mask_kernel, functions)
+                aux = [sass.array_constraint(*arrays.get(f"MaskAux{slot}", (ct.float32, 1))) for slot in range(4)]
+                parameters = [sass.array_constraint(ct.int8, 4), *aux, *[sass.array_constraint(ct.int32, 1)] * 2,
+                              *[ScalarConstraint(ct.int32)] * 6, 128, 64, True, False, rows_per_row == 2]  # fmt: skip
+                signature = KernelSignature(parameters, CallingConvention.cutile_python_v2())
+                export_kernel(kernel, [signature.with_mangled_symbol("sort_tiles")], str(Path(workdir) / "s.cubin"),
+                              gpu_code="sm_90", output_format="cubin")  # fmt: skip
+
+
 def test_sharding_layouts():
     sharding = SequenceSharding("zigzag", 3, 12)
     assert [[(s.start, s.stop, s.local_start) for s in sharding.spans(r)] for r in range(3)] == [
@@ -537,6 +734,10 @@ def _arguments(**changes):
         ({"return_lse": 1}, TypeError, "return_lse must be a bool"),
         ({"training": 0}, TypeError, "training must be a bool or None"),
         ({"group": "world"}, TypeError, "group"),
+        ({"block_mask": object()}, ValueError, "block_mask cannot be used under context parallelism"),
+        ({"score_mod": _relative_twin, "aux": (torch.ones(1),) * 4}, ValueError, "at most 3"),
+        ({"mask_mod": "documents"}, TypeError, "mask_mod must be a Python function"),
+        ({"aux": (torch.ones(1),)}, ValueError, "aux and mask_aux need score_mod or mask_mod"),
         ({}, ValueError, "CUDA tensor"),  # the kernels' own checks, before the collective
     ],
 )  # fmt: skip

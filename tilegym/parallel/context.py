@@ -16,12 +16,15 @@ chunk of queries at positions [a, b) is given the keys [0, b) (or from a - left 
 and query a + i then sees exactly the keys up to a + i.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.problem import check_inputs
 from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
+from tilegym.parallel.functions import ChunkFunctions, dense_offsets
 from tilegym.parallel.sharding import SequenceSharding, Span
 
 _SEQUENCE_DIM = 2
@@ -43,9 +46,16 @@ def context_parallel_attention(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     return_lse: bool = False,
+    score_mod: Callable | None = None,
+    score_mod_grad: Callable | None = None,
+    aux: tuple[Tensor, ...] | None = None,
+    aux_grad: Callable | None = None,
+    mask_mod: Callable | None = None,
+    mask_aux: tuple[Tensor, ...] | None = None,
+    block_mask=None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one sequence split along its positions over the ranks of group, on each
-    rank its share; differentiable in q, k, v and sinks.
+    rank its share; differentiable in q, k, v, sinks and aux tensors that require grad.
 
     Args:
         q, k, v: this rank's share, ``[B, Hq, L, D]``, ``[B, Hkv, L, D]``, ``[B, Hkv, L, Dv]``, the
@@ -62,13 +72,17 @@ def context_parallel_attention(
         layout: "zigzag" (balanced under causal masking) or "contiguous" (sharding.py).
         return_lse: return ``(out, lse)``, lse ``[B, Hq, L]`` for this rank's rows, float32 (float64
             for float64 inputs).
+        score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux: as tile_fmha_functional, with
+            q_idx and kv_idx the whole sequence's positions (functions.py): at most 3 aux and 3
+            mask_aux tensors (a slot carries each call's positions). block_mask is refused (each
+            call makes its own from mask_mod).
 
     Returns:
         ``[B, Hq, L, Dv]``: this rank's rows of the whole sequence's attention, or ``(out, lse)``.
 
     The gradients of k and v are this rank's share of the whole sequence's (summed over the
-    ranks whose queries read them); that of sinks is this rank's rows' part: reduce it over the
-    group like any replicated parameter's gradient. Under torch.compile the call runs eagerly
+    ranks whose queries read them); those of sinks and of aux tensors are this rank's rows'
+    part: reduce them over the group like any replicated parameter's gradient. Under torch.compile the call runs eagerly
     (a graph break: its collectives are not traced).
 
     Example, on each of 4 ranks (torchrun --nproc-per-node 4)::
@@ -83,7 +97,11 @@ def context_parallel_attention(
     refuse_capture("context_parallel_attention")
     rank, world = world_of(group)
     check_shares(q, k, v, "[B, H, L, D]", "this rank's share of the sequence", _SEQUENCE_DIM)
-    training = check_training(training, return_lse, q, k, v, sinks)
+    functions = ChunkFunctions.of(
+        q, 1, score_mod=score_mod, score_mod_grad=score_mod_grad, aux=aux, aux_grad=aux_grad, mask_mod=mask_mod,
+        mask_aux=mask_aux, block_mask=block_mask,
+    )  # fmt: skip
+    training = check_training(training, return_lse, q, k, v, sinks, *(functions.aux if functions else ()))
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = SequenceSharding.of_share(layout, world, q.shape[_SEQUENCE_DIM])
     # Every error the kernels' checks would raise, raised before the collective: the widest
@@ -100,10 +118,15 @@ def context_parallel_attention(
         keys_and_values = _SharedKeys.apply(k, v, sharding, group, seen)
         outs, lses = [], []
         for index, span in enumerate(spans):
+            positions = {}
+            if functions is not None:
+                offsets = dense_offsets(q.shape[0], span.start, seen[index].start, q.device)
+                positions = functions.arguments(offsets)
             out, lse = tile_fmha_functional(
                 q.narrow(_SEQUENCE_DIM, span.local_start, span.length),
                 *keys_and_values[2 * index : 2 * index + 2], scaling, is_causal, training,
                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,
+                **positions,
             )  # fmt: skip
             outs.append(out)
             lses.append(lse)

@@ -10,6 +10,7 @@ or all of them. Those keys are gathered into one tensor, chunk after chunk, from
 all-gather's layout in float32 before the reduce-scatter.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
 from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
 from tilegym.parallel.context import as_length, check_shares, check_training, refuse_capture, refuse_unaligned
+from tilegym.parallel.functions import ChunkFunctions
 from tilegym.parallel.sharding import PackedSharding
 
 
@@ -42,9 +44,16 @@ def context_parallel_attention_varlen(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     return_lse: bool = False,
+    score_mod: Callable | None = None,
+    score_mod_grad: Callable | None = None,
+    aux: tuple[Tensor, ...] | None = None,
+    aux_grad: Callable | None = None,
+    mask_mod: Callable | None = None,
+    mask_aux: tuple[Tensor, ...] | None = None,
+    block_mask=None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of a packed batch whose every sequence is split over the ranks of group, on
-    each rank its rows; differentiable in q, k, v and sinks.
+    each rank its rows; differentiable in q, k, v, sinks and aux tensors that require grad.
 
     Args:
         q, k, v: this rank's rows, ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, Dv]``: of each
@@ -61,6 +70,9 @@ def context_parallel_attention_varlen(
             window_size and alibi_slopes are refused (as context_parallel_attention).
         training, group, return_lse: as context_parallel_attention; lse is ``[Hq, T]``. Under
             torch.compile the call runs eagerly, as context_parallel_attention.
+        score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask: as
+            context_parallel_attention, the functions seeing what they see on the whole packed
+            batch: b the sequence, q_idx and kv_idx positions within it.
 
     Returns:
         ``[T, Hq, Dv]``: this rank's rows of the whole batch's attention, or ``(out, lse)``.
@@ -70,7 +82,11 @@ def context_parallel_attention_varlen(
     check_shares(q, k, v, "[T, H, D]", "this rank's rows of the packed batch", 0)
     if q.shape[0] % 2:
         raise ValueError(f"a rank holds two equal chunks of every sequence: {q.shape[0]} rows is not even")
-    training = check_training(training, return_lse, q, k, v, sinks)
+    functions = ChunkFunctions.of(
+        q, 2, score_mod=score_mod, score_mod_grad=score_mod_grad, aux=aux, aux_grad=aux_grad, mask_mod=mask_mod,
+        mask_aux=mask_aux, block_mask=block_mask,
+    )  # fmt: skip
+    training = check_training(training, return_lse, q, k, v, sinks, *(functions.aux if functions else ()))
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = PackedSharding(world)
     _check_one_cu_seqlens("cu_seqlens", cu_seqlens, q)
@@ -100,6 +116,7 @@ def context_parallel_attention_varlen(
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,
             cu_seqlens_q=calls.cu_seqlens_q, cu_seqlens_k=calls.cu_seqlens_k,
             max_seqlen_q=calls.max_seqlen_q, max_seqlen_k=calls.max_seqlen_k,
+            **(functions.arguments(calls.offsets) if functions is not None else {}),
         )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -147,6 +164,7 @@ class _ChunkCalls:
     max_seqlen_q: int
     max_seqlen_k: int
     key_rows: Tensor  # int64: for each key row of the call, its row in the all-gather
+    offsets: Tensor  # int32 [2N, 2]: each chunk's first query and first key within its sequence
 
     @classmethod
     def plan(cls, sharding: PackedSharding, cu_seqlens: Tensor, rank: int, local_total: int, longest: int, causal):
@@ -165,9 +183,11 @@ class _ChunkCalls:
         key_index = torch.arange(key_total, device=cu_seqlens.device)
         call_sequence = PackedSharding.sequence_of(cu_k, key_index)
         rows = bounds[call_sequence // 2] + key_index - cu_k[call_sequence]
+        first_query = torch.stack([rank * chunk, (sharding.chunks - 1 - rank) * chunk], dim=1).flatten()
+        offsets = torch.stack([first_query, torch.zeros_like(first_query)], dim=1).int()  # keys from its start
         return cls(
             cu_q.int(), cu_k.int(), longest // sharding.chunks, longest_keys,
-            sharding.gathered_rows(cu_seqlens, rows, local_total),
+            sharding.gathered_rows(cu_seqlens, rows, local_total), offsets,
         )  # fmt: skip
 
 

@@ -1,0 +1,137 @@
+"""The caller's score and mask functions under context parallelism, given whole-sequence
+positions.
+
+A call of the kernels counts q_idx and kv_idx from its own first query and key (and, on a
+packed batch, b over its own sequences). Under context parallelism a call holds a chunk of the
+sequence, so each function runs wrapped in a copy that adds the call's offsets before calling
+it: an int32 table ``[rows, 2]`` appended to aux (and to mask_aux), whose row b holds the
+positions of the first query and the first key of the call's row b. The offsets are data, not
+compile-time constants, so one kernel serves every rank and chunk. The copies pass aux on
+whole, so the caller's functions read their own tensors at their own slots. A packed call holds
+two chunks of each sequence as sequences of its own: the caller's b is the call's b // 2.
+"""
+
+import types
+from dataclasses import dataclass
+from functools import lru_cache
+
+import cuda.tile as ct
+import torch
+from torch import Tensor
+
+from tilegym.ops.attention.programmable import AUX_SLOTS, check_aux
+
+# Each wrapper's own globals (_at_global_positions): the caller's function, the slot of aux that
+# holds the offsets, and how many rows of a call make one of the caller's.
+_CALLER = _OFFSETS_SLOT = _CALL_ROWS_PER_ROW = None
+
+
+def _score_at_global_positions(score, b, h, q_idx, kv_idx, aux):
+    offsets = aux[_OFFSETS_SLOT]
+    row = b // _CALL_ROWS_PER_ROW
+    return _CALLER(score, row, h, q_idx + ct.gather(offsets, (b, 0)), kv_idx + ct.gather(offsets, (b, 1)), aux)
+
+
+def _score_grad_at_global_positions(grad, score, out, b, h, q_idx, kv_idx, aux):
+    offsets = aux[_OFFSETS_SLOT]
+    row = b // _CALL_ROWS_PER_ROW
+    return _CALLER(
+        grad, score, out, row, h, q_idx + ct.gather(offsets, (b, 0)), kv_idx + ct.gather(offsets, (b, 1)), aux
+    )
+
+
+def _aux_grad_at_global_positions(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+    offsets = aux[_OFFSETS_SLOT]
+    row = b // _CALL_ROWS_PER_ROW
+    _CALLER(
+        grad, score, row, h, q_idx + ct.gather(offsets, (b, 0)), kv_idx + ct.gather(offsets, (b, 1)), aux, aux_grads
+    )
+
+
+def _mask_at_global_positions(b, h, q_idx, kv_idx, mask_aux):
+    offsets = mask_aux[_OFFSETS_SLOT]
+    row = b // _CALL_ROWS_PER_ROW
+    return _CALLER(row, h, q_idx + ct.gather(offsets, (b, 0)), kv_idx + ct.gather(offsets, (b, 1)), mask_aux)
+
+
+_TEMPLATES = {
+    "score_mod": _score_at_global_positions,
+    "score_mod_grad": _score_grad_at_global_positions,
+    "aux_grad": _aux_grad_at_global_positions,
+    "mask_mod": _mask_at_global_positions,
+}
+
+
+@lru_cache(maxsize=256)
+def _at_global_positions(role: str, function: types.FunctionType, offsets_slot: int, call_rows_per_row: int):
+    """function wrapped for role (one of _TEMPLATES): the same object for the same arguments,
+    whose fingerprint (programmable.fingerprint) follows the function's through its globals."""
+    template = _TEMPLATES[role]
+    namespace = {
+        **template.__globals__,
+        "_CALLER": function, "_OFFSETS_SLOT": offsets_slot, "_CALL_ROWS_PER_ROW": call_rows_per_row,
+    }  # fmt: skip
+    wrapped = types.FunctionType(template.__code__.replace(), namespace, template.__name__)
+    wrapped.__qualname__ = f"{template.__qualname__}[{function.__qualname__}]"
+    if getattr(function, "elementwise", False):  # a few elementwise operations still: two more per row
+        wrapped.elementwise = True
+    wrapped.wraps = function  # the caller's function (the tests' stand-in reads it)
+    return wrapped
+
+
+@dataclass(frozen=True)
+class ChunkFunctions:
+    """The caller's functions and their tensors, ready for calls whose rows are chunks of the
+    caller's rows (call_rows_per_row of them per row)."""
+
+    functions: dict  # role -> the caller's function
+    aux: tuple
+    mask_aux: tuple
+    call_rows_per_row: int
+
+    @classmethod
+    def of(cls, q: Tensor, call_rows_per_row: int, *, score_mod=None, score_mod_grad=None, aux=None, aux_grad=None,
+           mask_mod=None, mask_aux=None, block_mask=None) -> "ChunkFunctions | None":  # fmt: skip
+        """None without functions. Checks what context parallelism adds to the functions' own
+        checks (those run in the calls): no block mask, one aux slot left for the offsets."""
+        if block_mask is not None:
+            raise ValueError(
+                "block_mask cannot be used under context parallelism: a block mask covers the whole sequence's "
+                "tiles, each call a chunk's; pass mask_mod (and mask_aux), from which each call makes its own"
+            )
+        given = {"score_mod": score_mod, "score_mod_grad": score_mod_grad, "aux_grad": aux_grad, "mask_mod": mask_mod}
+        functions = {role: function for role, function in given.items() if function is not None}
+        aux, mask_aux = check_aux(aux, q, "aux", read=False), check_aux(mask_aux, q, "mask_aux", read=False)
+        if not functions:
+            if aux or mask_aux:
+                raise ValueError("aux and mask_aux need score_mod or mask_mod")
+            return None
+        for role, function in functions.items():
+            if not isinstance(function, types.FunctionType):
+                raise TypeError(f"{role} must be a Python function (def or lambda), got {type(function).__name__}")
+        for name, tensors in (("aux", aux), ("mask_aux", mask_aux)):
+            if len(tensors) >= AUX_SLOTS:
+                raise ValueError(
+                    f"{name} holds {len(tensors)} tensors; under context parallelism at most {AUX_SLOTS - 1} (one "
+                    "slot carries each call's positions)"
+                )
+        return cls(functions, aux, mask_aux, call_rows_per_row)
+
+    def arguments(self, offsets: Tensor) -> dict:
+        """tile_fmha_functional's keyword arguments for a call whose row b starts at the
+        positions offsets[b] (int32 ``[call rows, 2]``: first query, first key)."""
+        arguments = {}
+        for role, function in self.functions.items():
+            slot = len(self.mask_aux) if role == "mask_mod" else len(self.aux)
+            arguments[role] = _at_global_positions(role, function, slot, self.call_rows_per_row)
+        # Tensors without the function that reads them go on as given, for the calls' checks.
+        arguments["aux"] = (*self.aux, offsets) if "score_mod" in self.functions else self.aux or None
+        arguments["mask_aux"] = (*self.mask_aux, offsets) if "mask_mod" in self.functions else self.mask_aux or None
+        return arguments
+
+
+def dense_offsets(batch: int, first_query: int, first_key: int, device) -> Tensor:
+    """int32 ``[batch, 2]``: every row of a dense call starts at the same positions."""
+    offsets = torch.full((batch, 2), first_query, dtype=torch.int32, device=device)
+    offsets[:, 1] = first_key
+    return offsets
