@@ -618,8 +618,9 @@ def test_op_context_parallel_refused_in_a_cuda_graph(one_rank_group):
 def test_functions_at_global_positions_compile_into_the_kernels(rows_per_row):
     """The wrapped functions (functions.py) compile for sm_90 into the forward, dQ and dK/dV
     kernels (bf16, D=64, each table's first config) with the offsets in the aux slot after the
-    caller's: a learned relative table with its gradient, and a document mask, also into the
-    kernel that sorts a block mask's tiles."""
+    caller's: a learned relative table with its gradient, ALiBi (declared elementwise, so also
+    the fused backward) and a document mask, also into the kernel that sorts a block mask's
+    tiles."""
     import tempfile
     from pathlib import Path
 
@@ -630,7 +631,7 @@ def test_functions_at_global_positions_compile_into_the_kernels(rows_per_row):
     from tilegym.ops.attention import configs, programmable
     from tilegym.ops.attention.kernels.block_mask import block_mask_kernel
     from tilegym.ops.attention.score_mods import ScoreMods
-    from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, FORWARD_LSE
+    from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, BACKWARD_FUSED, FORWARD_LSE
     from tilegym.parallel.functions import ChunkFunctions
 
     if sass.cuobjdump() is None:
@@ -639,8 +640,10 @@ def test_functions_at_global_positions_compile_into_the_kernels(rows_per_row):
     offsets = torch.zeros(2, 2, dtype=torch.int32)
     relative = score_functions.relative_position_bias(torch.zeros(2, 2 * _REACH + 1), _REACH)
     documents = score_functions.document_mask(torch.zeros(2, 8, dtype=torch.int32))
+    alibi = score_functions.alibi(torch.ones(2), 8, 8)
     cases = (
         (relative, {"Aux0": (ct.float32, 2), "Aux1": (ct.int32, 2), "AuxGrad0": (ct.float32, 2)}, False),
+        (alibi, {"Aux0": (ct.float32, 1), "Aux1": (ct.int32, 2)}, False),
         (documents, {"MaskAux0": (ct.int32, 2), "MaskAux1": (ct.int32, 2)}, True),
     )
     with tempfile.TemporaryDirectory() as workdir:
@@ -650,7 +653,10 @@ def test_functions_at_global_positions_compile_into_the_kernels(rows_per_row):
                 *(arguments.get(role) for role in ("score_mod", "score_mod_grad", "aux_grad", "mask_mod"))
             )
             tables = configs.score_tables(ScoreMods(user=functions).switches)
-            for variant in (FORWARD_LSE, BACKWARD_DQ, BACKWARD_DKDV):
+            assert functions.elementwise == (given is alibi), "the copies keep the declaration"
+            variants = (FORWARD_LSE, BACKWARD_FUSED) if functions.elementwise else (FORWARD_LSE, BACKWARD_DQ,
+                                                                                  BACKWARD_DKDV)  # fmt: skip
+            for variant in variants:
                 config = configs.candidates(variant, "sm_90", 64, 2, tables)[0]
                 path = sass.compile_cubin(variant, ct.bfloat16, 64, config, True, "sm_90", Path(workdir) / "k.cubin",
                                           {"block_sparse": masks, "varlen": rows_per_row == 2}, functions=functions,
