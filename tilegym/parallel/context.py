@@ -82,8 +82,8 @@ def context_parallel_attention(
 
     The gradients of k and v are this rank's share of the whole sequence's (summed over the
     ranks whose queries read them); those of sinks and of aux tensors are this rank's rows'
-    part: reduce them over the group like any replicated parameter's gradient. Under torch.compile the call runs eagerly
-    (a graph break: its collectives are not traced).
+    part: reduce them over the group like any replicated parameter's gradient. Under
+    torch.compile the call runs eagerly (a graph break: its collectives are not traced).
 
     Example, on each of 4 ranks (torchrun --nproc-per-node 4)::
 

@@ -19,7 +19,7 @@ import cuda.tile as ct
 import torch
 from torch import Tensor
 
-from tilegym.ops.attention.programmable import AUX_SLOTS, check_aux
+from tilegym.ops.attention.programmable import AUX_SLOTS, check_aux, memo_user_functions
 
 # Each wrapper's own globals (_at_global_positions): the caller's function, the slot of aux that
 # holds the offsets, and how many rows of a call make one of the caller's.
@@ -99,16 +99,15 @@ class ChunkFunctions:
                 "block_mask cannot be used under context parallelism: a block mask covers the whole sequence's "
                 "tiles, each call a chunk's; pass mask_mod (and mask_aux), from which each call makes its own"
             )
-        given = {"score_mod": score_mod, "score_mod_grad": score_mod_grad, "aux_grad": aux_grad, "mask_mod": mask_mod}
-        functions = {role: function for role, function in given.items() if function is not None}
+        # The calls' own checks of the functions (Python functions, no gradient function
+        # without score_mod), before the collective; kept for the same function objects.
+        checked = memo_user_functions(score_mod, score_mod_grad, aux_grad, mask_mod)
         aux, mask_aux = check_aux(aux, q, "aux", read=False), check_aux(mask_aux, q, "mask_aux", read=False)
-        if not functions:
+        if checked is None:
             if aux or mask_aux:
                 raise ValueError("aux and mask_aux need score_mod or mask_mod")
             return None
-        for role, function in functions.items():
-            if not isinstance(function, types.FunctionType):
-                raise TypeError(f"{role} must be a Python function (def or lambda), got {type(function).__name__}")
+        functions = checked.given()
         for name, tensors in (("aux", aux), ("mask_aux", mask_aux)):
             if len(tensors) >= AUX_SLOTS:
                 raise ValueError(
