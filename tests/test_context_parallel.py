@@ -463,8 +463,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, case_names: lis
         _check_helpers(rank, world, device)
         _check_compiled(rank, world, device)
         _check_input_forms(rank, world, device)
-        if device.type == "cpu":  # not yet run with the kernels (docs/attention.md)
-            _check_checkpointed(rank, world, device)
+        _check_checkpointed(rank, world, device)
     finally:
         dist.destroy_process_group()
 
