@@ -53,6 +53,7 @@ class CpCase:
     training: bool = True
     extra: dict = field(default_factory=dict)
     functions: str | None = None  # a key of _FUNCTIONS
+    bias: str | None = None  # "pairs": [Hq, S, S] with its gradient; "keys": [B, 1, 1, S]
 
     def __str__(self):
         return self.why
@@ -73,6 +74,8 @@ CASES = [
     CpCase("zigzag-relative-table", "zigzag", 24, functions="relative"),  # a learned table, its gradient
     CpCase("zigzag-document-mask", "zigzag", 30, batch=2, functions="documents"),
     CpCase("contiguous-full-alibi-function", "contiguous", 36, causal=False, functions="alibi"),
+    CpCase("zigzag-window-learned-bias", "zigzag", 26, window_size=(30, 0), bias="pairs"),  # views from key 0 on
+    CpCase("contiguous-full-key-bias", "contiguous", 40, causal=False, batch=2, bias="keys"),
     CpCase("one-position-chunks", "zigzag", 1),
     CpCase("empty-sequence", "zigzag", 0),
 ]
@@ -271,6 +274,10 @@ def _inputs(case: CpCase, length: int, dtype, device):
         kwargs["sinks"] = draw(case.q_heads).to(sink_dtype).requires_grad_(case.training)
     if case.functions:
         kwargs.update(_functions(case.functions, case.batch, length, case.q_heads, device, case.training, generator))
+    if case.bias == "pairs":
+        kwargs["attn_bias"] = draw(case.q_heads, length, length, scale=0.5).requires_grad_(case.training)
+    elif case.bias == "keys":
+        kwargs["attn_bias"] = draw(case.batch, 1, 1, length, scale=2.0)
     return (q, k, v, d_out, d_lse), kwargs
 
 
@@ -313,11 +320,14 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
     assert out.shape == share(d_out).shape and lse.shape == share(d_lse).shape and lse.dtype == lse_dtype
     if case.training:
         torch.autograd.backward([out, lse], [share(d_out), share(d_lse)])
-    sinks = kwargs.get("sinks")
+    sinks, bias = kwargs.get("sinks"), kwargs.get("attn_bias")
+    learned_bias = bias is not None and bias.requires_grad
     if sinks is not None and case.training:
         dist.all_reduce(sinks.grad)  # each rank's rows' part
+    if learned_bias:
+        dist.all_reduce(bias.grad)  # likewise
     for table in _learned(kwargs):
-        dist.all_reduce(table.grad)  # likewise
+        dist.all_reduce(table.grad)
 
     if case.functions:
         ref_out, ref_lse, ref_grads = _function_reference(q, k, v, d_out, d_lse, case.causal, kwargs)
@@ -328,17 +338,20 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
     if case.training:
         ours.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
         expected.update(dq=share(ref_grads[0]), dk=share(ref_grads[1]), dv=share(ref_grads[2]))
+        further = iter(ref_grads[3:])  # reference_run's order: attn_bias, sinks; or the learned aux
+        if learned_bias:
+            ours["dbias"], expected["dbias"] = bias.grad, next(further)
         if sinks is not None:
-            ours["dsinks"], expected["dsinks"] = sinks.grad, ref_grads[3]
+            ours["dsinks"], expected["dsinks"] = sinks.grad, next(further)
         for table in _learned(kwargs):
-            ours["daux"], expected["daux"] = table.grad, ref_grads[3]
+            ours["daux"], expected["daux"] = table.grad, next(further)
     if dtype == torch.float64:  # the reference stood in for the kernels: the same sums
         for name, value in ours.items():
             torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
         return
     baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs)
     for name, value in ours.items():
-        base = baseline[name] if name in ("dsinks", "daux") else share(baseline[name])
+        base = baseline[name] if name in _WHOLE_GRADIENTS else share(baseline[name])
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
 
 
@@ -413,8 +426,11 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
     packing = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": longest, "max_seqlen_k": longest}
     baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs, **packing)
     for name, value in ours.items():
-        base = baseline[name] if name in ("dsinks", "daux") else shard_packed(baseline[name], cu)
+        base = baseline[name] if name in _WHOLE_GRADIENTS else shard_packed(baseline[name], cu)
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
+
+
+_WHOLE_GRADIENTS = ("dbias", "dsinks", "daux")  # of tensors every rank holds whole: not shares
 
 
 def _one_gpu_run(case, tensors, kwargs, **call_kwargs) -> dict:
@@ -425,8 +441,9 @@ def _one_gpu_run(case, tensors, kwargs, **call_kwargs) -> dict:
     q, k, v, d_out, d_lse = tensors
     leaves = [t.detach().requires_grad_(case.training) for t in (q, k, v)]
     kwargs = dict(kwargs)
-    if "sinks" in kwargs:
-        kwargs["sinks"] = kwargs["sinks"].detach().requires_grad_(case.training)
+    for name in ("sinks", "attn_bias"):
+        if name in kwargs:
+            kwargs[name] = kwargs[name].detach().requires_grad_(kwargs[name].requires_grad)
     if kwargs.get("aux") is not None:
         kwargs["aux"] = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in kwargs["aux"])
     out, lse = tile_fmha_functional(
@@ -438,6 +455,8 @@ def _one_gpu_run(case, tensors, kwargs, **call_kwargs) -> dict:
         result.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
         if "sinks" in kwargs:
             result["dsinks"] = kwargs["sinks"].grad
+        if "attn_bias" in kwargs and kwargs["attn_bias"].requires_grad:
+            result["dbias"] = kwargs["attn_bias"].grad
         for table in _learned(kwargs):
             result["daux"] = table.grad
     return result
@@ -740,6 +759,9 @@ def _arguments(**changes):
         ({"training": 0}, TypeError, "training must be a bool or None"),
         ({"group": "world"}, TypeError, "group"),
         ({"block_mask": object()}, ValueError, "block_mask cannot be used under context parallelism"),
+        ({"attn_bias": torch.randn(2, 8, 4)}, ValueError, r"attn_bias of shape \(2, 8, 4\) does not broadcast"),
+        ({"attn_bias": torch.randn(8, 8).double()}, TypeError, "attn_bias must have q's dtype"),
+        ({"attn_bias": "bias"}, TypeError, "attn_bias must be a torch.Tensor"),
         ({"score_mod": _relative_twin, "aux": (torch.ones(1),) * 4}, ValueError, "at most 3"),
         ({"mask_mod": "documents"}, TypeError, "mask_mod must be a Python function"),
         ({"aux": (torch.ones(1),)}, ValueError, "aux and mask_aux need score_mod or mask_mod"),

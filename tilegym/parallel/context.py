@@ -23,6 +23,7 @@ from torch import Tensor
 
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.problem import check_inputs
+from tilegym.ops.attention.score_mods import check_bias
 from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
 from tilegym.parallel.functions import ChunkFunctions, dense_offsets
 from tilegym.parallel.sharding import SequenceSharding, Span
@@ -41,6 +42,7 @@ def context_parallel_attention(
     *,
     group=None,
     layout: str = "zigzag",
+    attn_bias: Tensor | None = None,
     window_size: tuple[int, int] | list[int] | None = None,
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
@@ -66,8 +68,11 @@ def context_parallel_attention(
             the whole sequence (Sq = Sk: self-attention). Causal masking, windows and ALiBi
             distances count global positions. Without causal masking, window_size and alibi_slopes
             are refused: the kernels align a chunk's queries with the end of its keys.
+        attn_bias: as tile_fmha_functional, on the whole sequence: broadcastable to
+            ``[B, Hq, S, S]`` with S = world x L, the same tensor on every rank (each chunk's call
+            reads its rows and the keys it sees, as views).
         training: as tile_fmha_functional: True, differentiable; False, inference kernels; None,
-            by grad mode and requires_grad of q, k, v, sinks.
+            by grad mode and requires_grad of q, k, v, attn_bias, sinks.
         group: the torch.distributed process group (None: the default one); one GPU per rank.
         layout: "zigzag" (balanced under causal masking) or "contiguous" (sharding.py).
         return_lse: return ``(out, lse)``, lse ``[B, Hq, L]`` for this rank's rows, float32 (float64
@@ -81,8 +86,8 @@ def context_parallel_attention(
         ``[B, Hq, L, Dv]``: this rank's rows of the whole sequence's attention, or ``(out, lse)``.
 
     The gradients of k and v are this rank's share of the whole sequence's (summed over the
-    ranks whose queries read them); those of sinks and of aux tensors are this rank's rows'
-    part: reduce them over the group like any replicated parameter's gradient. Under
+    ranks whose queries read them); those of attn_bias, sinks and aux tensors are this rank's
+    rows' part: reduce them over the group like any replicated parameter's gradient. Under
     torch.compile the call runs eagerly (a graph break: its collectives are not traced).
 
     Example, on each of 4 ranks (torchrun --nproc-per-node 4)::
@@ -101,9 +106,11 @@ def context_parallel_attention(
         q, 1, score_mod=score_mod, score_mod_grad=score_mod_grad, aux=aux, aux_grad=aux_grad, mask_mod=mask_mod,
         mask_aux=mask_aux, block_mask=block_mask,
     )  # fmt: skip
-    training = check_training(training, return_lse, q, k, v, sinks, *(functions.aux if functions else ()))
+    training = check_training(training, return_lse, q, k, v, attn_bias, sinks, *(functions.aux if functions else ()))
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = SequenceSharding.of_share(layout, world, q.shape[_SEQUENCE_DIM])
+    if attn_bias is not None:  # on the whole sequence; each call checks its views again
+        check_bias(attn_bias, as_length(q, _SEQUENCE_DIM, sharding.length), sharding.length, q.shape[1])
     # Every error the kernels' checks would raise, raised before the collective: the widest
     # call (all keys) as stride-0 views of this rank's keys.
     check_inputs(
@@ -125,8 +132,8 @@ def context_parallel_attention(
             out, lse = tile_fmha_functional(
                 q.narrow(_SEQUENCE_DIM, span.local_start, span.length),
                 *keys_and_values[2 * index : 2 * index + 2], scaling, is_causal, training,
-                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,
-                **positions,
+                attn_bias=_chunk_bias(attn_bias, span, seen[index]), window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **positions,
             )  # fmt: skip
             outs.append(out)
             lses.append(lse)
@@ -266,6 +273,20 @@ class _SharedKeys(torch.autograd.Function):
         dk = local[..., :head_dim].movedim(0, _SEQUENCE_DIM)
         dv = local[..., head_dim:].movedim(0, _SEQUENCE_DIM)
         return dk, dv, None, None, None
+
+
+def _chunk_bias(attn_bias: Tensor | None, span: Span, keys: slice) -> Tensor | None:
+    """The view of the whole sequence's attn_bias that a chunk's call adds: its queries' rows and
+    the keys it is given, where those dims are not broadcast (size 1). Its gradient flows back
+    through the view into attn_bias's."""
+    if attn_bias is None:
+        return None
+    bias = attn_bias
+    if bias.dim() >= 2 and bias.shape[-2] > 1:
+        bias = bias.narrow(-2, span.start, span.length)
+    if bias.dim() >= 1 and bias.shape[-1] > 1:
+        bias = bias.narrow(-1, keys.start, keys.stop - keys.start)
+    return bias
 
 
 def _keys_seen(span: Span, is_causal: bool, window_size, length: int) -> slice:
