@@ -612,24 +612,92 @@ def test_op_context_parallel_ranks_sharing_a_gpu(dtype_name, tmp_path):
     _spawn(2, "gloo", tmp_path, [*CASE_BY_NAME, *PACKED_CASE_BY_NAME], dtype_name)
 
 
-@requires_cuda
-def test_op_context_parallel_refused_in_a_cuda_graph(one_rank_group):
-    """Inside a CUDA graph capture both calls raise before any collective or launch, and the
-    capture ends cleanly (an empty graph); the calls then run eagerly as before."""
-    q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
-    packed_q = q[0].transpose(0, 1).contiguous()
-    calls = (
-        lambda: context_parallel_attention(q, q, q),
-        lambda: context_parallel_attention_varlen(packed_q, packed_q, packed_q, cu, 8),
-    )
-    for call in calls:
-        graph = torch.cuda.CUDAGraph()
-        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-            with torch.cuda.graph(graph):
-                call()
+def _check_captured(rank: int, world: int, device) -> None:
+    """A training step of each call (dense with a window, dense with a document mask, packed)
+    captured in a CUDA graph with its collectives, then replayed on new inputs (the packed
+    batch's lengths reordered in its cu_seqlens, new document ids) with its output and gradients
+    poisoned first: the eager call's results on those inputs."""
+    from tests.ops.attention_cases import capture_training_step
+
+    generator = torch.Generator(device=device).manual_seed(11)
+
+    def randn(*shape):  # the same on every rank: each takes its share
+        return torch.randn(shape, device=device, generator=generator)
+
+    def cumulative(units):  # lengths of 2 world rows each unit
+        lengths = torch.tensor([0, *units], device=device) * 2 * world
+        return lengths.cumsum(0).int()
+
+    def documents(length):
+        return (randn(1, length) > 1.0).int().cumsum(-1).int()  # a new document at about 1 in 6 positions
+
+    units, reordered = (40, 3, 65), (65, 40, 3)  # the same total and longest
+    length = 96 * world
+    for form in ("window", "documents", "packed"):
+        cu, docs = cumulative(units), documents(length)
+        rows = int(cu[-1]) if form == "packed" else length
+        shapes = [(rows, heads, 64) if form == "packed" else (1, heads, rows, 64) for heads in (4, 2, 2, 4)]
+
+        def share(t, form=form, cu=cu):
+            return shard_packed(t, cu) if form == "packed" else shard_sequence(t)
+
+        def attention(q, k, v, form=form, cu=cu, docs=docs):
+            if form == "packed":
+                return context_parallel_attention_varlen(q, k, v, cu, 2 * world * max(units))
+            if form == "documents":
+                return context_parallel_attention(q, k, v, **score_functions.document_mask(docs))
+            return context_parallel_attention(q, k, v, window_size=(100, 0))
+
+        *leaves, d_out = (share(randn(*shape)).bfloat16() for shape in shapes)
+        for t in leaves:
+            t.requires_grad_()
+
+        def step(attention=attention, leaves=leaves, d_out=d_out):
+            out = attention(*leaves)
+            out.backward(d_out)
+            return out
+
+        graph, out = capture_training_step(step, leaves)
+        with torch.no_grad():
+            cu.copy_(cumulative(reordered))
+            docs.copy_(documents(length))
+            for t, shape in zip([*leaves, d_out], shapes, strict=True):
+                t.copy_(share(randn(*shape)).bfloat16())
+            for t in (out, *(leaf.grad for leaf in leaves)):
+                t.fill_(float("nan"))
+        graph.replay()
         torch.cuda.synchronize()
-        assert not call().isnan().any()
+        del graph  # before the process group goes
+
+        eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        eager_out = attention(*eager_leaves)
+        eager_out.backward(d_out)
+        got = (out, *(t.grad for t in leaves))
+        eager = (eager_out, *(t.grad for t in eager_leaves))
+        for part, ours, theirs in zip(("out", "dq", "dk", "dv"), got, eager, strict=True):
+            assert not ours.isnan().any(), f"{form} {part}: NaN after the replay"
+            where = f"{form} {part} differs from the eager call"
+            torch.testing.assert_close(ours, theirs, msg=lambda m, where=where: f"{where}: {m}")
+
+
+@requires_cuda
+def test_op_context_parallel_in_a_cuda_graph_one_rank(one_rank_group):
+    _check_captured(0, 1, torch.device("cuda", 0))
+
+
+def _captured_worker(rank: int, world: int, init_file: str) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        _check_captured(rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(_GPUS < 2, reason="needs 2 CUDA GPUs")
+def test_op_context_parallel_in_a_cuda_graph(tmp_path):
+    mp.spawn(_captured_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2)
 
 
 @pytest.mark.parametrize("rows_per_row", [1, 2], ids=["dense", "packed"])

@@ -88,7 +88,8 @@ def context_parallel_attention(
     The gradients of k and v are this rank's share of the whole sequence's (summed over the
     ranks whose queries read them); those of attn_bias, sinks and aux tensors are this rank's
     rows' part: reduce them over the group like any replicated parameter's gradient. Under
-    torch.compile the call runs eagerly (a graph break: its collectives are not traced).
+    torch.compile the call runs eagerly (a graph break: its collectives are not traced); a CUDA
+    graph captures it with its collectives (every rank capturing and replaying alike).
 
     Example, on each of 4 ranks (torchrun --nproc-per-node 4)::
 
@@ -99,7 +100,6 @@ def context_parallel_attention(
         out = context_parallel_attention(q, k, v)  # causal over all 4 shares
         out.sum().backward()
     """
-    refuse_capture("context_parallel_attention")
     rank, world = world_of(group)
     check_shares(q, k, v, "[B, H, L, D]", "this rank's share of the sequence", _SEQUENCE_DIM)
     functions = ChunkFunctions.of(
@@ -167,15 +167,10 @@ def sequence_positions(length: int, *, group=None, layout: str = "zigzag", devic
     return SequenceSharding(layout, world, length).positions(rank, device=device)
 
 
-def refuse_capture(name: str) -> None:
-    """Raises a RuntimeError inside a CUDA graph capture: a capture of these calls with their
-    collectives over NCCL did not finish in its one test, so they are not captured (the
-    collectives would otherwise be the graph's, replayed in step on every rank)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"{name} cannot be captured in a CUDA graph (not supported under context parallelism); "
-            "capture the layers around it, or run it eagerly"
-        )
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (the calls then keep nothing made
+    in the capture for later calls)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_training(training, return_lse, *tensors) -> bool:

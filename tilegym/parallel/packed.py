@@ -22,7 +22,7 @@ from tilegym.kept_values import KeptPerTensor
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
 from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
-from tilegym.parallel.context import as_length, check_shares, check_training, refuse_capture, refuse_unaligned
+from tilegym.parallel.context import as_length, capturing, check_shares, check_training, refuse_unaligned
 from tilegym.parallel.functions import ChunkFunctions
 from tilegym.parallel.sharding import PackedSharding
 
@@ -77,7 +77,6 @@ def context_parallel_attention_varlen(
     Returns:
         ``[T, Hq, Dv]``: this rank's rows of the whole batch's attention, or ``(out, lse)``.
     """
-    refuse_capture("context_parallel_attention_varlen")
     rank, world = world_of(group)
     check_shares(q, k, v, "[T, H, D]", "this rank's rows of the packed batch", 0)
     if q.shape[0] % 2:
@@ -99,7 +98,7 @@ def context_parallel_attention_varlen(
     if env.flag(CHECK_VARLEN, False):
         sharding.check(cu_seqlens, world * q.shape[0], longest)
     if isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2:
-        alibi_slopes = alibi_slopes.repeat_interleave(2, dim=0)  # per chunk: two per sequence
+        alibi_slopes = _twice(alibi_slopes)  # per chunk: two per sequence
     calls = _plan(sharding, cu_seqlens, rank, q.shape[0], longest, is_causal)
     # Every error the packed kernels' checks would raise, before the collective.
     keys_view = as_length(k, 0, calls.key_rows.numel())
@@ -175,10 +174,10 @@ class _ChunkCalls:
             key_total = (sharding.chunks + 1) * local_total // 2
             longest_keys = (sharding.chunks - rank) * (longest // sharding.chunks)
         else:
-            seen = (chunk * sharding.chunks).repeat_interleave(2)
+            seen = _twice(chunk * sharding.chunks)
             key_total = 2 * sharding.world * local_total
             longest_keys = longest
-        cu_q = F.pad(chunk.repeat_interleave(2).cumsum(0), (1, 0))
+        cu_q = F.pad(_twice(chunk).cumsum(0), (1, 0))
         cu_k = F.pad(seen.cumsum(0), (1, 0))
         key_index = torch.arange(key_total, device=cu_seqlens.device)
         call_sequence = PackedSharding.sequence_of(cu_k, key_index)
@@ -191,14 +190,23 @@ class _ChunkCalls:
         )  # fmt: skip
 
 
+def _twice(t: Tensor) -> Tensor:
+    """Each row of t twice in a row, as repeat_interleave(2, dim=0) but as a view and a copy
+    (no output size to work out: nothing that could wait on the GPU in a capture)."""
+    return t.unsqueeze(1).expand(t.shape[0], 2, *t.shape[1:]).flatten(0, 1)
+
+
 # A model passes one cu_seqlens tensor to all its layers: its plan (some fifteen small GPU
 # operations) is made once per batch, not once per layer.
 _PLANS = KeptPerTensor()
 
 
 def _plan(sharding: PackedSharding, cu_seqlens: Tensor, rank: int, local_total: int, longest: int, causal: bool):
-    """The rank's _ChunkCalls, kept per cu_seqlens tensor."""
+    """The rank's _ChunkCalls, kept per cu_seqlens tensor; made afresh inside a CUDA graph
+    capture, where the graph's replays then make it from cu_seqlens's contents of the time."""
     context = (sharding, rank, local_total, longest, causal)
+    if capturing():
+        return _ChunkCalls.plan(sharding, cu_seqlens, *context[1:])
     return _PLANS.value_for(cu_seqlens, context, lambda: _ChunkCalls.plan(sharding, cu_seqlens, *context[1:]))
 
 
