@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from tests.ops.attention_cases import assert_close_to_reference, reference_run
 from tests.ops.conftest import requires_cuda  # also: tests use each table's first config
 from tilegym.ops.attention import score_functions
+from tilegym.ops.attention.block_mask import create_block_mask
 from tilegym.ops.attention.reference import attention_reference
 from tilegym.parallel import (
     SequenceSharding,
@@ -52,7 +53,7 @@ class CpCase:
     sinks: bool = False
     training: bool = True
     extra: dict = field(default_factory=dict)
-    functions: str | None = None  # a key of _FUNCTIONS
+    functions: str | None = None  # a case of _functions: relative, alibi, documents, documents-block
     bias: str | None = None  # "pairs": [Hq, S, S] with its gradient; "keys": [B, 1, 1, S]
 
     def __str__(self):
@@ -73,6 +74,7 @@ CASES = [
     CpCase("zigzag-inference", "zigzag", 50, training=False, sinks=True),
     CpCase("zigzag-relative-table", "zigzag", 24, functions="relative"),  # a learned table, its gradient
     CpCase("zigzag-document-mask", "zigzag", 30, batch=2, functions="documents"),
+    CpCase("zigzag-document-block-mask", "zigzag", 28, batch=2, functions="documents-block"),
     CpCase("contiguous-full-alibi-function", "contiguous", 36, causal=False, functions="alibi"),
     CpCase("zigzag-window-learned-bias", "zigzag", 26, window_size=(30, 0), bias="pairs"),  # views from key 0 on
     CpCase("contiguous-full-key-bias", "contiguous", 40, causal=False, batch=2, bias="keys"),
@@ -95,7 +97,7 @@ class PackedCase:
     alibi: str | None = None  # "head": [Hq]; "sequence": [N, Hq]
     sinks: bool = False
     training: bool = True
-    functions: str | None = None  # a key of _FUNCTIONS
+    functions: str | None = None  # a case of _functions: relative, alibi, documents, documents-block
 
     def __str__(self):
         return self.why
@@ -109,6 +111,7 @@ PACKED_CASES = [
     PackedCase("packed-one-sequence-d128", (16,), head_dim=128, alibi="head"),
     PackedCase("packed-inference", (4, 7), training=False),
     PackedCase("packed-document-mask", (5, 0, 8), functions="documents"),
+    PackedCase("packed-document-block-mask", (4, 0, 7), functions="documents-block"),
     PackedCase("packed-relative-table", (4, 9), causal=False, functions="relative"),
     PackedCase("packed-empty-sequences", (0, 0)),
 ]  # fmt: skip
@@ -133,9 +136,10 @@ def _documents_twin(b, h, q_idx, kv_idx, mask_aux):
     return docs[b, q_idx] == docs[b, kv_idx]
 
 
-def _functions(name: str, rows: int, length: int, q_heads: int, device, training: bool, generator) -> dict:
+def _functions(name: str, rows: int, length: int, q_heads: int, device, training: bool, generator, cu=None) -> dict:
     """The keyword arguments of a function case on the whole sequence (rows of length positions:
-    batch entries, or a packed batch's sequences), its tensors drawn by generator."""
+    batch entries, or the sequences of a packed batch with cumulative lengths cu), its tensors
+    drawn by generator."""
     if name == "relative":
         table = torch.randn(q_heads, 2 * _REACH + 1, generator=generator, dtype=torch.float64) * 0.5
         table = table.to(device, torch.float64 if device.type == "cpu" else torch.float32)  # the stand-in's precision
@@ -144,7 +148,13 @@ def _functions(name: str, rows: int, length: int, q_heads: int, device, training
         slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / q_heads) for h in range(q_heads)], device=device)
         return score_functions.alibi(slopes, length, length)
     starts = torch.rand(rows, length, generator=generator) < 0.15  # a new document at about 1 in 7 positions
-    return score_functions.document_mask(starts.int().cumsum(-1).int().to(device))
+    documents = score_functions.document_mask(starts.int().cumsum(-1).int().to(device))
+    if name == "documents-block":  # the same mask as a block mask made for the whole sequence or batch
+        return {"block_mask": create_block_mask(
+            documents["mask_mod"], rows if cu is None else None, None, length, length, device,
+            mask_aux=documents["mask_aux"], cu_seqlens_q=cu, cu_seqlens_k=cu,
+        )}  # fmt: skip
+    return documents
 
 
 _TWINS = {}
@@ -178,7 +188,11 @@ _FUNCTION_ARGUMENTS = ("score_mod", "score_mod_grad", "aux", "aux_grad", "mask_m
 
 
 def _split_functions(kwargs: dict) -> dict:
-    """The function arguments of kwargs, taken out of it."""
+    """The function arguments of kwargs, taken out of it (a block mask as its mask_mod and
+    mask_aux)."""
+    block_mask = kwargs.pop("block_mask", None)
+    if block_mask is not None:
+        kwargs["mask_mod"], kwargs["mask_aux"] = block_mask.mask_mod, block_mask.mask_aux
     return {name: kwargs.pop(name) for name in _FUNCTION_ARGUMENTS if kwargs.get(name) is not None}
 
 
@@ -383,7 +397,9 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
     if case.sinks:
         kwargs["sinks"] = draw(case.q_heads).to(_lse_dtype(dtype)).requires_grad_(case.training)
     if case.functions:
-        kwargs.update(_functions(case.functions, len(lengths), longest, case.q_heads, device, case.training, generator))
+        kwargs.update(
+            _functions(case.functions, len(lengths), longest, case.q_heads, device, case.training, generator, cu)
+        )
 
     leaves = [shard_packed(t, cu).detach().requires_grad_(case.training) for t in (q, k, v)]
     out, lse = context_parallel_attention_varlen(
@@ -718,7 +734,7 @@ def test_functions_at_global_positions_compile_into_the_kernels(rows_per_row):
     from tilegym.ops.attention.kernels.block_mask import block_mask_kernel
     from tilegym.ops.attention.score_mods import ScoreMods
     from tilegym.ops.attention.variants import BACKWARD_DKDV, BACKWARD_DQ, BACKWARD_FUSED, FORWARD_LSE
-    from tilegym.parallel.functions import ChunkFunctions
+    from tilegym.parallel.functions import ChunkFunctions, WholeSizes
 
     if sass.cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
@@ -734,7 +750,7 @@ def test_functions_at_global_positions_compile_into_the_kernels(rows_per_row):
     )
     with tempfile.TemporaryDirectory() as workdir:
         for given, arrays, masks in cases:
-            arguments = ChunkFunctions.of(q, rows_per_row, **given).arguments(offsets)
+            arguments = ChunkFunctions.of(q, rows_per_row, WholeSizes(2, 2, 8), **given).arguments(offsets)
             functions = programmable.user_functions(
                 *(arguments.get(role) for role in ("score_mod", "score_mod_grad", "aux_grad", "mask_mod"))
             )
@@ -804,6 +820,11 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
+def _document_block_mask(length: int):
+    documents = score_functions.document_mask(torch.zeros(1, length, dtype=torch.int32))
+    return create_block_mask(documents["mask_mod"], None, None, length, length, "cpu", mask_aux=documents["mask_aux"])
+
+
 def _arguments(**changes):
     q = torch.randn(1, 2, 8, 64)
     arguments = {"q": q, "k": q, "v": q, "is_causal": True}
@@ -826,7 +847,9 @@ def _arguments(**changes):
         ({"return_lse": 1}, TypeError, "return_lse must be a bool"),
         ({"training": 0}, TypeError, "training must be a bool or None"),
         ({"group": "world"}, TypeError, "group"),
-        ({"block_mask": object()}, ValueError, "block_mask cannot be used under context parallelism"),
+        ({"block_mask": object()}, TypeError, "block_mask must be a BlockMask"),
+        ({"block_mask": _document_block_mask(4)}, ValueError, "covers Q_LEN=4, KV_LEN=4, but the call has Sq=8"),
+        ({"block_mask": _document_block_mask(8), "mask_mod": _documents_twin}, ValueError, "either block_mask or"),
         ({"attn_bias": torch.randn(2, 8, 4)}, ValueError, r"attn_bias of shape \(2, 8, 4\) does not broadcast"),
         ({"attn_bias": torch.randn(8, 8).double()}, TypeError, "attn_bias must have q's dtype"),
         ({"attn_bias": "bias"}, TypeError, "attn_bias must be a torch.Tensor"),

@@ -25,7 +25,7 @@ from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.problem import check_inputs
 from tilegym.ops.attention.score_mods import check_bias
 from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
-from tilegym.parallel.functions import ChunkFunctions, dense_offsets
+from tilegym.parallel.functions import ChunkFunctions, WholeSizes, dense_offsets
 from tilegym.parallel.sharding import SequenceSharding, Span
 
 _SEQUENCE_DIM = 2
@@ -79,8 +79,9 @@ def context_parallel_attention(
             for float64 inputs).
         score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux: as tile_fmha_functional, with
             q_idx and kv_idx the whole sequence's positions (functions.py): at most 3 aux and 3
-            mask_aux tensors (a slot carries each call's positions). block_mask is refused (each
-            call makes its own from mask_mod).
+            mask_aux tensors (a slot carries each call's positions). block_mask: one made for the
+            whole sequence (``[B or 1, Hq or 1, S, S]``), read as its mask_mod and mask_aux (each
+            call makes its own tile lists).
 
     Returns:
         ``[B, Hq, L, Dv]``: this rank's rows of the whole sequence's attention, or ``(out, lse)``.
@@ -102,8 +103,9 @@ def context_parallel_attention(
     """
     rank, world = world_of(group)
     check_shares(q, k, v, "[B, H, L, D]", "this rank's share of the sequence", _SEQUENCE_DIM)
+    whole = WholeSizes(q.shape[0], q.shape[1], world * q.shape[_SEQUENCE_DIM])
     functions = ChunkFunctions.of(
-        q, 1, score_mod=score_mod, score_mod_grad=score_mod_grad, aux=aux, aux_grad=aux_grad, mask_mod=mask_mod,
+        q, 1, whole, score_mod=score_mod, score_mod_grad=score_mod_grad, aux=aux, aux_grad=aux_grad, mask_mod=mask_mod,
         mask_aux=mask_aux, block_mask=block_mask,
     )  # fmt: skip
     training = check_training(training, return_lse, q, k, v, attn_bias, sinks, *(functions.aux if functions else ()))

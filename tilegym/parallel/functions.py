@@ -9,6 +9,10 @@ positions of the first query and the first key of the call's row b. The offsets 
 compile-time constants, so one kernel serves every rank and chunk. The copies pass aux on
 whole, so the caller's functions read their own tensors at their own slots. A packed call holds
 two chunks of each sequence as sequences of its own: the caller's b is the call's b // 2.
+
+A block mask made for the whole sequence (or packed batch) is read as its mask_mod and
+mask_aux: its tile lists cover the whole sequence's tiles, each call a chunk's, so each call
+makes its own lists, as from mask_mod.
 """
 
 import types
@@ -19,6 +23,8 @@ import cuda.tile as ct
 import torch
 from torch import Tensor
 
+from tilegym.ops.attention.block_mask import check_block_mask
+from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.programmable import AUX_SLOTS, check_aux, memo_user_functions
 
 # Each wrapper's own globals (_at_global_positions): the caller's function, the slot of aux that
@@ -80,6 +86,18 @@ def _at_global_positions(role: str, function: types.FunctionType, offsets_slot: 
 
 
 @dataclass(frozen=True)
+class WholeSizes:
+    """What a block mask made for the caller's whole sequence covers: batch entries (a packed
+    batch's sequences), query heads, the length (the longest sequence), and a packed batch's
+    cumulative lengths (the very tensor the call takes)."""
+
+    batch: int
+    heads: int
+    length: int
+    cu_seqlens: CuSeqlens | None = None
+
+
+@dataclass(frozen=True)
 class ChunkFunctions:
     """The caller's functions and their tensors, ready for calls whose rows are chunks of the
     caller's rows (call_rows_per_row of them per row)."""
@@ -90,15 +108,29 @@ class ChunkFunctions:
     call_rows_per_row: int
 
     @classmethod
-    def of(cls, q: Tensor, call_rows_per_row: int, *, score_mod=None, score_mod_grad=None, aux=None, aux_grad=None,
-           mask_mod=None, mask_aux=None, block_mask=None) -> "ChunkFunctions | None":  # fmt: skip
+    def of(
+        cls,
+        q: Tensor,
+        call_rows_per_row: int,
+        whole: WholeSizes,
+        *,
+        score_mod=None,
+        score_mod_grad=None,
+        aux=None,
+        aux_grad=None,
+        mask_mod=None,
+        mask_aux=None,
+        block_mask=None,
+    ) -> "ChunkFunctions | None":
         """None without functions. Checks what context parallelism adds to the functions' own
-        checks (those run in the calls): no block mask, one aux slot left for the offsets."""
+        checks (those run in the calls): a block mask made for the whole sequence or batch
+        (whole), read as its mask_mod and mask_aux; one aux slot left for the offsets."""
         if block_mask is not None:
-            raise ValueError(
-                "block_mask cannot be used under context parallelism: a block mask covers the whole sequence's "
-                "tiles, each call a chunk's; pass mask_mod (and mask_aux), from which each call makes its own"
-            )
+            block_mask = check_block_mask(
+                block_mask, mask_mod, mask_aux, q, whole.batch, whole.heads, whole.length, whole.length,
+                whole.cu_seqlens,
+            )  # fmt: skip
+            mask_mod, mask_aux = block_mask.mask_mod, block_mask.mask_aux
         # The calls' own checks of the functions (Python functions, no gradient function
         # without score_mod), before the collective; kept for the same function objects.
         checked = memo_user_functions(score_mod, score_mod_grad, aux_grad, mask_mod)

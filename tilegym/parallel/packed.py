@@ -20,10 +20,16 @@ from torch import Tensor
 from tilegym import env
 from tilegym.kept_values import KeptPerTensor
 from tilegym.ops.attention.api import tile_fmha_functional
-from tilegym.ops.attention.packing import CHECK_VARLEN, _check_max_seqlen, _check_one_cu_seqlens, check_packed_inputs
+from tilegym.ops.attention.packing import (
+    CHECK_VARLEN,
+    CuSeqlens,
+    _check_max_seqlen,
+    _check_one_cu_seqlens,
+    check_packed_inputs,
+)
 from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
 from tilegym.parallel.context import as_length, capturing, check_shares, check_training, refuse_unaligned
-from tilegym.parallel.functions import ChunkFunctions
+from tilegym.parallel.functions import ChunkFunctions, WholeSizes
 from tilegym.parallel.sharding import PackedSharding
 
 
@@ -72,7 +78,9 @@ def context_parallel_attention_varlen(
             torch.compile the call runs eagerly, as context_parallel_attention.
         score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask: as
             context_parallel_attention, the functions seeing what they see on the whole packed
-            batch: b the sequence, q_idx and kv_idx positions within it.
+            batch: b the sequence, q_idx and kv_idx positions within it; a block mask made for
+            the whole batch (create_block_mask with cu_seqlens as both cumulative lengths, N
+            sequences, max_seqlen long).
 
     Returns:
         ``[T, Hq, Dv]``: this rank's rows of the whole batch's attention, or ``(out, lse)``.
@@ -81,15 +89,16 @@ def context_parallel_attention_varlen(
     check_shares(q, k, v, "[T, H, D]", "this rank's rows of the packed batch", 0)
     if q.shape[0] % 2:
         raise ValueError(f"a rank holds two equal chunks of every sequence: {q.shape[0]} rows is not even")
+    _check_one_cu_seqlens("cu_seqlens", cu_seqlens, q)
+    longest = _check_max_seqlen("max_seqlen", max_seqlen)
+    whole = WholeSizes(cu_seqlens.numel() - 1, q.shape[1], longest, CuSeqlens(cu_seqlens, cu_seqlens))
     functions = ChunkFunctions.of(
-        q, 2, score_mod=score_mod, score_mod_grad=score_mod_grad, aux=aux, aux_grad=aux_grad, mask_mod=mask_mod,
-        mask_aux=mask_aux, block_mask=block_mask,
+        q, 2, whole, score_mod=score_mod, score_mod_grad=score_mod_grad, aux=aux, aux_grad=aux_grad,
+        mask_mod=mask_mod, mask_aux=mask_aux, block_mask=block_mask,
     )  # fmt: skip
     training = check_training(training, return_lse, q, k, v, sinks, *(functions.aux if functions else ()))
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = PackedSharding(world)
-    _check_one_cu_seqlens("cu_seqlens", cu_seqlens, q)
-    longest = _check_max_seqlen("max_seqlen", max_seqlen)
     if longest % sharding.chunks:
         raise ValueError(
             f"max_seqlen ({longest}) must be a multiple of {sharding.chunks}: every sequence's length is, in the "
