@@ -57,7 +57,7 @@ def context_parallel_attention(
     block_mask=None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one sequence split along its positions over the ranks of group, on each
-    rank its share; differentiable in q, k, v, sinks and aux tensors that require grad.
+    rank its share; differentiable in q, k, v, attn_bias, sinks and aux tensors that require grad.
 
     Args:
         q, k, v: this rank's share, ``[B, Hq, L, D]``, ``[B, Hkv, L, D]``, ``[B, Hkv, L, Dv]``, the

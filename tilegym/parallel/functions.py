@@ -26,6 +26,7 @@ from torch import Tensor
 from tilegym.ops.attention.block_mask import check_block_mask
 from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.programmable import AUX_SLOTS, check_aux, memo_user_functions
+from tilegym.ops.attention.score_functions import own_code_copy
 
 # Each wrapper's own globals (_at_global_positions): the caller's function, the slot of aux that
 # holds the offsets, and how many rows of a call make one of the caller's.
@@ -77,7 +78,7 @@ def _at_global_positions(role: str, function: types.FunctionType, offsets_slot: 
         **template.__globals__,
         "_CALLER": function, "_OFFSETS_SLOT": offsets_slot, "_CALL_ROWS_PER_ROW": call_rows_per_row,
     }  # fmt: skip
-    wrapped = types.FunctionType(template.__code__.replace(), namespace, template.__name__)
+    wrapped = own_code_copy(template, namespace)
     wrapped.__qualname__ = f"{template.__qualname__}[{function.__qualname__}]"
     if getattr(function, "elementwise", False):  # a few elementwise operations still: two more per row
         wrapped.elementwise = True

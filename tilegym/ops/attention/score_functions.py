@@ -141,12 +141,12 @@ def inlined(functions: dict) -> dict:
 def _inlined_copy(function: types.FunctionType) -> types.FunctionType:
     """function without its mark, under a code object of its own (so that torch.compile does not
     take it for the original); same fingerprint, so the same kernels."""
-    copy = _own_code_copy(function, function.__globals__)
+    copy = own_code_copy(function, function.__globals__)
     copy.__dict__.update({key: item for key, item in function.__dict__.items() if key != "predefined"})
     return copy
 
 
-def _own_code_copy(function: types.FunctionType, namespace: dict) -> types.FunctionType:
+def own_code_copy(function: types.FunctionType, namespace: dict) -> types.FunctionType:
     """function under a code object of its own, reading its globals from namespace."""
     copy = types.FunctionType(function.__code__.replace(), namespace, function.__name__, function.__defaults__,
                               function.__closure__)  # fmt: skip
@@ -163,7 +163,7 @@ def _specialized(templates: tuple, **constants) -> tuple:
     namespace = {**globals(), **constants}
     copies = []
     for template in templates:
-        copy = _own_code_copy(template, namespace)
+        copy = own_code_copy(template, namespace)
         namespace[template.__name__] = copy
         copies.append(copy)
     return tuple(copies)
