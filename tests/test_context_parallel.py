@@ -118,6 +118,18 @@ PACKED_CASES = [
 PACKED_CASE_BY_NAME = {case.why: case for case in PACKED_CASES}
 
 
+def _cu_seqlens(lengths: list, device) -> torch.Tensor:
+    """int32 cumulative lengths [N + 1] of a packed batch of these lengths."""
+    return torch.tensor(
+        [0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
+
+
+def _alibi_slopes(heads: int, device) -> torch.Tensor:
+    """ALiBi's usual float32 slopes, one per query head."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], device=device)
+
+
 # The caller's functions of the function cases (ready-made cuTile ones), each with its meaning in
 # PyTorch: what the float64 reference runs, and the CPU stand-in in the kernels' place.
 _REACH = 20
@@ -145,8 +157,7 @@ def _functions(name: str, rows: int, length: int, q_heads: int, device, training
         table = table.to(device, torch.float64 if device.type == "cpu" else torch.float32)  # the stand-in's precision
         return score_functions.relative_position_bias(table.requires_grad_(training), _REACH)
     if name == "alibi":
-        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / q_heads) for h in range(q_heads)], device=device)
-        return score_functions.alibi(slopes, length, length)
+        return score_functions.alibi(_alibi_slopes(q_heads, device), length, length)
     starts = torch.rand(rows, length, generator=generator) < 0.15  # a new document at about 1 in 7 positions
     documents = score_functions.document_mask(starts.int().cumsum(-1).int().to(device))
     if name == "documents-block":  # the same mask as a block mask made for the whole sequence or batch
@@ -280,9 +291,7 @@ def _inputs(case: CpCase, length: int, dtype, device):
     if case.softcap is not None:
         kwargs["softcap"] = case.softcap
     if case.alibi:
-        kwargs["alibi_slopes"] = torch.tensor(
-            [2.0 ** (-8.0 * (h + 1) / case.q_heads) for h in range(case.q_heads)], device=device
-        )
+        kwargs["alibi_slopes"] = _alibi_slopes(case.q_heads, device)
     if case.sinks:
         sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         kwargs["sinks"] = draw(case.q_heads).to(sink_dtype).requires_grad_(case.training)
@@ -371,7 +380,7 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
 
 def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -> None:
     lengths = [units * 2 * world for units in case.units]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = _cu_seqlens(lengths, device)
     total, longest = int(cu[-1]), max(lengths)
     generator = torch.Generator().manual_seed(zlib.crc32(case.why.encode()))
 
@@ -390,7 +399,7 @@ def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -
     if case.softcap is not None:
         kwargs["softcap"] = case.softcap
     if case.alibi:
-        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / case.q_heads) for h in range(case.q_heads)], device=device)
+        slopes = _alibi_slopes(case.q_heads, device)
         kwargs["alibi_slopes"] = slopes if case.alibi == "head" else torch.stack(
             [slopes * (1 + s) for s in range(len(lengths))]
         )  # fmt: skip
@@ -508,7 +517,7 @@ def _check_input_forms(rank: int, world: int, device) -> None:
     tensor), and k and v without gradients: the values and gradients of contiguous inputs."""
     dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
     lengths = [2 * world * n for n in (3, 0, 5)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = _cu_seqlens(lengths, device)
     forms = (
         (torch.randn(2, 8 * world, 3, 2, 64, dtype=torch.float64), lambda t: shard_sequence(t, dim=1),
          lambda t, i: t[:, :, i].transpose(1, 2), context_parallel_attention),
@@ -556,7 +565,7 @@ def _check_checkpointed(rank: int, world: int, device) -> None:
 
     dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
     lengths = [2 * world * n for n in (4, 1, 6)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = _cu_seqlens(lengths, device)
     dense = [torch.randn(1, 2, 8 * world, 64, dtype=torch.float64) for _ in range(3)]
     packed_whole = [torch.randn(int(cu[-1]), 2, 64, dtype=torch.float64) for _ in range(3)]
     forms = (
@@ -593,7 +602,7 @@ def _check_helpers(rank: int, world: int, device) -> None:
         torch.testing.assert_close(mine, whole[:, positions])
         torch.testing.assert_close(unshard_sequence(mine, dim=1, layout=layout), whole)
     lengths = [0, 6 * world, 2 * world, 0, 10 * world]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = _cu_seqlens(lengths, device)
     whole = torch.arange(int(cu[-1]), device=device)
     mine = shard_packed(whole, cu)
     assert torch.equal(unshard_packed(mine, cu), whole)
@@ -641,8 +650,7 @@ def _check_captured(rank: int, world: int, device) -> None:
         return torch.randn(shape, device=device, generator=generator)
 
     def cumulative(units):  # lengths of 2 world rows each unit
-        lengths = torch.tensor([0, *units], device=device) * 2 * world
-        return lengths.cumsum(0).int()
+        return _cu_seqlens([2 * world * n for n in units], device)
 
     def documents(length):
         return (randn(1, length) > 1.0).int().cumsum(-1).int()  # a new document at about 1 in 6 positions
