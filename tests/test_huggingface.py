@@ -152,6 +152,8 @@ def _reference_attention(q, k, v, scaling=None, is_causal=True, **kwargs):
     """tile_fmha_functional's meaning in float64 for the arguments attention_forward passes: dense
     or packed, window, softcap, sinks, attn_bias and its two mask functions (given as mask_mod or
     in a block mask)."""
+    # The models here have no attention dropout (test_dropout_is_passed_on checks the rate's way).
+    assert kwargs.pop("dropout_p", 0.0) == 0.0
     cu_q, cu_k = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None)
     longest = kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None)
     if cu_q is not None:
@@ -193,12 +195,29 @@ def test_translation_matches_eager_decoding(family, monkeypatch):
     _compare_decoding(family, torch.float32, "cpu", 1e-5)
 
 
-def test_refusals():
-    """Attention dropout and a position bias are refused, naming what to change."""
+def test_dropout_is_passed_on(monkeypatch):
+    """The layer's attention dropout reaches the kernels' dropout_p, dense and packed."""
+    given = []
+
+    def record(q, k, v, scaling=None, is_causal=True, **kwargs):
+        given.append(kwargs.get("dropout_p"))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(huggingface, "tile_fmha_functional", record)
     q = torch.randn(1, 2, 4, 32)
     module = torch.nn.Module()
-    with pytest.raises(ValueError, match="attention dropout"):
-        huggingface.attention_forward(module, q, q, q, None, dropout=0.1)
+    huggingface.attention_forward(module, q, q, q, None, dropout=0.1)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    huggingface.attention_forward(module, q, q, q, None, dropout=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                  max_length_q=3, max_length_k=3)  # fmt: skip
+    huggingface.attention_forward(module, q, q, q, None)
+    assert given == [0.1, 0.25, 0.0]
+
+
+def test_refusals():
+    """A position bias is refused, naming what to change."""
+    q = torch.randn(1, 2, 4, 32)
+    module = torch.nn.Module()
     with pytest.raises(ValueError, match="position bias"):
         huggingface.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 4, 4))
     with pytest.raises(ValueError, match=r"attention_mask must have shape \[1 or 1, 1 or 2, 4, 4\]"):

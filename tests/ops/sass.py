@@ -53,6 +53,7 @@ from tilegym.ops.attention.variants import ANY_SCORES, VARIANTS
 PLAIN = {
     "windowed": False, "capped": False, "bias_mode": 0, "alibi": False, "bias_grad": 0, "with_sinks": False,
     "lse_grad": False, "sinks_grad": False, "varlen": False, "block_sparse": False, "stats_by_sequence": False,
+    "dropout": False,
 }  # fmt: skip
 # Per-row arrays [B, H, S] in the accumulators' dtype: statistics, the LSE's gradient, and the
 # per-tile shares of the sinks' gradient ([B, H, query tiles]).
@@ -140,7 +141,7 @@ def signature(
             params.append(array_constraint(stat_dtype, 3 if param_name in _ROW_STATS else 4, index_dtype))
         elif param_name == "Slopes":
             params.append(array_constraint(ct.float32, 2, index_dtype))
-        elif param_name in ("CuSeqlensQ", "CuSeqlensK"):
+        elif param_name in ("CuSeqlensQ", "CuSeqlensK", "DropoutSeed"):
             params.append(array_constraint(ct.int32, 1, index_dtype))
         elif param_name == "MaskCounts":
             params.append(array_constraint(ct.int32, 4, index_dtype))

@@ -122,7 +122,8 @@ def varlen_reference(batch: Packed, d_out, causal: bool, kwargs: dict, compute_d
     The packed contract is "each sequence exactly as the dense call on its slice", so this is
     the reference by definition, and it is independent of how the kernels clamp and index."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (batch.q, batch.k, batch.v)]
-    ref_kwargs = dict(kwargs)
+    # Dropout's mask, which depends on the sequence, comes from per_sequence.
+    ref_kwargs = {name: value for name, value in kwargs.items() if name != "dropout_p"}
     sinks = kwargs.get("sinks")
     if sinks is not None:
         ref_kwargs["sinks"] = sinks.detach().to(compute_dtype).requires_grad_(sinks.requires_grad)

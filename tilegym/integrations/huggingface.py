@@ -19,8 +19,8 @@ FlashAttention's keyword arguments (cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
 e.g. DataCollatorWithFlattening with return_flash_attn_kwargs=True) where the model made no
 mask, and those packed by position_ids where the model's mask is exactly their packing (checked
 once per mask tensor; any other mask is read as it is). Softcapping (Gemma 2), attention sinks
-(gpt-oss), sliding windows, GQA and the model's scaling are passed to the kernels. Attention
-dropout is refused (the kernels have none), as is a position bias (T5).
+(gpt-oss), sliding windows, GQA, the model's scaling and its attention dropout (in training)
+are passed to the kernels. A position bias (T5) is refused.
 
 Under context_parallel() each layer computes attention over whole sequences whose shares the
 ranks of a process group hold (tilegym.parallel): no masks are made there, padding is refused.
@@ -123,11 +123,6 @@ def attention_forward(
     """One attention layer's call, as transformers makes it: query ``[B, Hq, Sq, D]``, key and
     value ``[B, Hkv, Sk, D]`` (and Dv), attention_mask from attention_mask above (or the caller's
     own 4D mask: bool, True seen, or additive float). Returns ``([B, Sq, Hq, Dv], None)``."""
-    if dropout:
-        raise ValueError(
-            f"attention dropout ({dropout}) is not supported by tilegym attention; set the model's attention "
-            "dropout to 0 (e.g. config.attention_dropout = 0.0)"
-        )
     if position_bias is not None:
         raise ValueError("a position bias (T5-style position_bias) is not supported by tilegym attention")
     if kwargs.get("output_attentions"):
@@ -136,11 +131,18 @@ def attention_forward(
     modifiers = {"softcap": softcap, "sinks": s_aux}
     packing = _given_packing(kwargs, query.shape[0])
     if _CONTEXT_PARALLEL:
+        if dropout:
+            raise ValueError(
+                f"attention dropout ({dropout}) is not supported under context_parallel(); set the model's "
+                "attention dropout to 0 (e.g. config.attention_dropout = 0.0)"
+            )
         parallel = _CONTEXT_PARALLEL[-1]
         out = _context_parallel(
             parallel, query, key, value, attention_mask, scaling, causal, sliding_window, modifiers, packing
         )
         return out, None
+    # transformers passes the module's rate in training and 0 in eval.
+    modifiers["dropout_p"] = dropout
     if packing is None and attention_mask is not None and not torch.compiler.is_compiling():
         # Sequences packed by position_ids: transformers made a mask of the whole row; where it
         # is exactly the packing's own, the packed kernels compute the same, with no mask to read.

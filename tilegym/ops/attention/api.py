@@ -47,6 +47,11 @@ programmable.py and docs/attention.md have the contract):
 attn_bias, window_size, softcap and alibi_slopes are also functions, score_functions.additive_bias,
 sliding_window, softcap and alibi: passed as score_mod or mask_mod they run the kernels' code for
 the keyword argument wherever it computes the same (predefined.py).
+
+Training calls (tile_fmha_with_backward, tile_fmha_varlen, tile_fmha_functional) also take
+dropout_p: each probability that multiplies V is dropped with that probability and the kept ones
+scaled by 1 / (1 - dropout_p) (dropout.py); the LSE is that of the undropped probabilities. Each
+call draws its mask from PyTorch's CUDA generator, and its backward sees the same mask.
 """
 
 from collections.abc import Callable
@@ -55,7 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tilegym.ops.attention import custom_ops, launch, predefined
+from tilegym.ops.attention import custom_ops, dropout, launch, predefined
 from tilegym.ops.attention.autograd import AttentionFunction, PackedAttentionFunction
 from tilegym.ops.attention.block_mask import BlockMask
 from tilegym.ops.attention.caller_functions import CallerFunctions, closure_free, operator_key
@@ -184,9 +189,12 @@ def tile_fmha_with_backward(
     mask_aux: tuple[Tensor, ...] | None = None,
     block_mask: BlockMask | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention output for training, differentiable with respect to q, k, v, attn_bias and
     sinks; arguments as tile_fmha.
+
+    dropout_p: attention dropout's rate in [0, 1) (the module's docstring); 0: none.
 
     return_lse: return ``(out, lse)``, gradients flowing from both. lse is the natural log of each
     row's softmax denominator, ``[B, Hq, Sq]`` float32 (float64 for float64 inputs), -inf for a
@@ -202,14 +210,15 @@ def tile_fmha_with_backward(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    rate = dropout.check_rate(dropout_p)
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
     mods, programs = predefined.lower(mods, programs, q, k, is_causal)
-    if torch.compiler.is_compiling() and _operator_takes(programs):
+    if torch.compiler.is_compiling() and _operator_takes(programs) and not rate:
         out, lse = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=True)
         return (out, lse) if return_lse else out
-    if programs is not None:
-        out, lse = _programmed_training(q, k, v, scaling, is_causal, mods, programs)
+    if programs is not None or rate:
+        out, lse = _programmed_training(q, k, v, scaling, is_causal, mods, programs, rate)
         return (out, lse) if return_lse else out
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
     # mods.attn_bias, not attn_bias: a ready-made bias function may have become it (predefined.py).
@@ -238,6 +247,7 @@ def tile_fmha_varlen(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a packed batch of variable-length sequences, differentiable with respect to
     q, k, v and sinks. Arguments as FlashAttention's ``flash_attn_varlen_func``.
@@ -261,6 +271,8 @@ def tile_fmha_varlen(
         alibi_slopes: float32 ``[Hq]`` or ``[N, Hq]`` (one row per sequence).
         return_lse: return ``(out, lse)``, lse ``[Hq, total_q]`` float32 (float64 for float64
             inputs), natural log, gradients flowing from both.
+        dropout_p: attention dropout's rate in [0, 1), as tile_fmha_with_backward (rows and
+            columns of its mask count within each sequence).
 
     Returns:
         ``[total_q, Hq, Dv]`` in q's dtype, or ``(out, lse)``.
@@ -277,7 +289,8 @@ def tile_fmha_varlen(
     """
     packed = _Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
-    return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, differentiable=True)
+    rate = dropout.check_rate(dropout_p)
+    return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, differentiable=True, rate=rate)
 
 
 def tile_fmha_functional(
@@ -305,6 +318,7 @@ def tile_fmha_functional(
     cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """tile_fmha_with_backward or the inference kernels, by training: True, the differentiable
     path; False, the inference kernels (tile_fmha, or fmha_forward_with_lse with return_lse);
@@ -315,11 +329,17 @@ def tile_fmha_functional(
     batch, as tile_fmha_varlen takes it (no attn_bias); training=False then returns the same
     values without a gradient. A packed batch takes score_mod (b is the sequence, q_idx and kv_idx
     count within it) with its aux tensors and aux_grad, and mask_mod, or a block_mask made
-    with the call's cu_seqlens_q and cu_seqlens_k (create_block_mask), seeing the same indices."""
+    with the call's cu_seqlens_q and cu_seqlens_k (create_block_mask), seeing the same indices.
+
+    dropout_p > 0 (attention dropout, as tile_fmha_with_backward) takes the differentiable path
+    when training is None, and is refused with training=False: the inference kernels drop nothing."""
+    rate = dropout.check_rate(dropout_p)
     if training is None:
-        training = _needs_grad(q, k, v, attn_bias, sinks, *CallerFunctions.aux_tensors_of(aux))
+        training = bool(rate) or _needs_grad(q, k, v, attn_bias, sinks, *CallerFunctions.aux_tensors_of(aux))
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
+    elif rate and not training:
+        raise ValueError(f"dropout_p={dropout_p} with training=False: dropout applies to training calls only")
     programs = {
         "score_mod": score_mod, "score_mod_grad": score_mod_grad, "aux": aux, "aux_grad": aux_grad,
         "mask_mod": mask_mod, "mask_aux": mask_aux, "block_mask": block_mask,
@@ -333,7 +353,7 @@ def tile_fmha_functional(
         mods = _Mods(None, window_size, softcap, alibi_slopes, sinks)
         functions = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
         mods, functions = predefined.lower(mods, functions, q, k, is_causal, (cu_seqlens_q, cu_seqlens_k))
-        return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training, functions)
+        return _packed_attention(q, k, v, scaling, is_causal, mods, packed, return_lse, training, functions, rate)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
             raise ValueError(f"{name} is given without cu_seqlens_q and cu_seqlens_k: a packed batch needs all four")
@@ -342,7 +362,7 @@ def tile_fmha_functional(
         "sinks": sinks, **programs,
     }  # fmt: skip
     if training:
-        return tile_fmha_with_backward(q, k, v, scaling, is_causal, return_lse=return_lse, **mods)
+        return tile_fmha_with_backward(q, k, v, scaling, is_causal, return_lse=return_lse, dropout_p=rate, **mods)
     if return_lse:
         return fmha_forward_with_lse(q, k, v, scaling, is_causal, **mods)
     return tile_fmha(q, k, v, scaling, is_causal, **mods)
@@ -379,11 +399,16 @@ def _programmed_forward(q, k, v, scaling, is_causal, mods: _Mods, programs: Call
 
 
 @torch.compiler.disable
-def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions):
-    """(out, lse) through autograd with the caller's functions (see _programmed_forward)."""
-    aux = programs.aux_tensors()
+def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions | None, rate: float):
+    """(out, lse) through autograd with the caller's functions or dropout at rate (see
+    _programmed_forward; the operators take neither dropout nor its seed)."""
+    aux = () if programs is None else programs.aux_tensors()
     needs_grad = _needs_grad(q, k, v, mods.attn_bias, mods.sinks, *aux)
-    problem, mod_tensors = _programmed_check(q, k, v, scaling, is_causal, mods, programs, needs_grad)
+    if programs is None:
+        problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
+    else:
+        problem, mod_tensors = _programmed_check(q, k, v, scaling, is_causal, mods, programs, needs_grad)
+    problem, mod_tensors = dropout.with_dropout(problem, mod_tensors, rate, q.device)
     if needs_grad:
         bias_grad = mods.attn_bias is not None and mods.attn_bias.requires_grad
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
@@ -402,26 +427,30 @@ class _Packed:
 
 
 def _packed_attention(
-    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool, programs=None
+    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse, differentiable: bool, programs=None, rate=0.0
 ):
     """out [total_q, Hq, Dv], or with_lse (out, lse [Hq, total_q]), of a packed batch: through
     autograd when differentiable and a gradient is wanted, else the forward alone. programs: the
-    caller's score function (CallerFunctions), which positions within each sequence, `b` the sequence."""
+    caller's score function (CallerFunctions), which positions within each sequence, `b` the sequence.
+    rate: dropout's (checked)."""
     if not isinstance(with_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
-    if torch.compiler.is_compiling() and _operator_takes(programs):
+    if torch.compiler.is_compiling() and _operator_takes(programs) and not rate:
         out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, programs, differentiable)
-    elif programs is not None:
-        out, lse = _programmed_packed(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs)
+    elif programs is not None or rate:
+        out, lse = _programmed_packed(
+            q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs, rate
+        )  # fmt: skip
     else:
         out, lse = _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable)
     return (out, lse) if with_lse else out
 
 
 def _packed_eager(
-    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool, programs=None
-):
-    """(out, lse or None) of a packed batch outside torch.compile."""
+    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, with_lse: bool, differentiable: bool, programs=None,
+    rate=0.0,
+):  # fmt: skip
+    """(out, lse or None) of a packed batch outside torch.compile, with dropout at rate."""
     problem, mod_tensors, cu_seqlens = check_packed_inputs(
         q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, scaling,
         is_causal, mods.window_size, mods.softcap, mods.alibi_slopes, mods.sinks,
@@ -430,6 +459,7 @@ def _packed_eager(
     needs_grad = differentiable and _needs_grad(q, k, v, mods.sinks, *aux)
     if programs is not None:
         problem, mod_tensors = programs.check(q, problem, mod_tensors, needs_grad, cu_seqlens)
+    problem, mod_tensors = dropout.with_dropout(problem, mod_tensors, rate, q.device)
     if needs_grad:
         sinks_grad = mods.sinks is not None and mods.sinks.requires_grad
         launch.compile_backward_ahead(q, k, v, problem, mod_tensors, False, sinks_grad, cu_seqlens)

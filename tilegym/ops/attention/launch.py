@@ -21,7 +21,16 @@ from tilegym.launching import (
     parameter_names,
     split_arguments,
 )
-from tilegym.ops.attention import aux_gradients, configs, dispatch, packing, prepared, programmable, score_mods
+from tilegym.ops.attention import (
+    aux_gradients,
+    configs,
+    dispatch,
+    dropout,
+    packing,
+    prepared,
+    programmable,
+    score_mods,
+)
 from tilegym.ops.attention.block_mask import BlockMask, MaskRule
 from tilegym.ops.attention.packing import CuSeqlens
 from tilegym.ops.attention.problem import LOG2E, AttentionProblem
@@ -211,6 +220,7 @@ def _modifier_arguments(problem: AttentionProblem, tensors: ModTensors, placehol
     return {
         "Bias": placeholder if tensors.bias is None else tensors.bias,
         "Slopes": _or_unused(tensors.slopes, placeholder.device, 2),
+        "DropoutSeed": _or_unused(tensors.dropout_seed, placeholder.device, 1, torch.int32),
         **_modifier_values(problem),
     }
 
@@ -234,6 +244,9 @@ def _modifier_values(problem: AttentionProblem) -> MappingProxyType:
         "query_group_size": problem.query_group_size,
         "block_d": block_d,
         "block_d_tail": block_d_tail,
+        "dropout": bool(mods.dropout),
+        "dropout_threshold": dropout.threshold(mods.dropout),
+        **split_arguments(dropout_scale=dropout.kept_scale(mods.dropout)),
     })  # fmt: skip
 
 
@@ -327,8 +340,10 @@ def _unused(device: torch.device, ndim: int, dtype: torch.dtype = torch.float32)
     return placeholder
 
 
-def _or_unused(tensor: torch.Tensor | None, device: torch.device, ndim: int) -> torch.Tensor:
-    return _unused(device, ndim) if tensor is None else tensor
+def _or_unused(
+    tensor: torch.Tensor | None, device: torch.device, ndim: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    return _unused(device, ndim, dtype) if tensor is None else tensor
 
 
 def _positive_scale(q: torch.Tensor, problem: AttentionProblem) -> tuple[torch.Tensor, float]:
@@ -420,7 +435,7 @@ def _optional_tensors(mod_tensors: ModTensors, cu_seqlens: CuSeqlens | None) -> 
         packed = (None, None)
     else:
         packed = (cu_seqlens.q, None if cu_seqlens.k is cu_seqlens.q else cu_seqlens.k)
-    return (mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed)
+    return (mod_tensors.sinks, mod_tensors.bias, mod_tensors.slopes, *packed, mod_tensors.dropout_seed)
 
 
 def _preparable(problem: AttentionProblem, mod_tensors: ModTensors) -> bool:

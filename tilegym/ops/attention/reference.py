@@ -46,9 +46,14 @@ def attention_reference(
     alibi_slopes=None,
     sinks=None,
     score_mod=None,
+    dropout_kept=None,
+    dropout_scale=1.0,
 ):
     """(out, lse) with out in compute_dtype and lse [B, Hq, Sq] in compute_dtype; differentiable
     in q, k, v, attn_bias and sinks.
+
+    dropout_kept: bool [B, Hq, Sq, Sk] (dropout_kept()), the probabilities kept, each then
+    multiplied by dropout_scale; the LSE is that of all of them.
 
     score_mod: the meaning of a call's score and mask functions in PyTorch,
     ``score_mod(scores, b, h, q_idx, kv_idx) -> scores`` with -inf where a pair is hidden; the
@@ -99,9 +104,51 @@ def attention_reference(
     if sinks is not None:
         row_sum = row_sum + torch.exp(sink - row_max)
     safe_sum = torch.where(sees_any, row_sum, torch.ones_like(row_sum))
-    out = torch.matmul(weights / safe_sum, v)
+    probs = weights / safe_sum
+    if dropout_kept is not None:
+        probs = probs * dropout_kept * dropout_scale
+    out = torch.matmul(probs, v)
     lse = torch.where(sees_any, row_max + torch.log(safe_sum), torch.full_like(row_sum, -torch.inf))
     return out, lse.squeeze(-1)
+
+
+_WORD = 0xFFFFFFFF
+
+
+def _times(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """x * factor mod 2^32 for int64 x in [0, 2^32), without leaving int64's range."""
+    low, high = x & 0xFFFF, x >> 16
+    return (low * factor + (((high * factor) & 0xFFFF) << 16)) & _WORD
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """kernels/dropout.py's mixer, on int64 tensors holding uint32 values."""
+    from tilegym.ops.attention.kernels.dropout import MIX_FIRST, MIX_SECOND
+
+    x = x ^ (x >> 16)
+    x = _times(x, MIX_FIRST)
+    x = x ^ (x >> 15)
+    x = _times(x, MIX_SECOND)
+    return x ^ (x >> 16)
+
+
+def dropout_kept(seed, rate: float, batch: int, heads: int, seqlen_q: int, seqlen_k: int, first_sequence: int = 0):
+    """bool [batch, heads, Sq, Sk]: which probabilities the kernels keep under dropout at rate
+    with seed (int32 [2]), computed as kernels/dropout.py does; first_sequence: the sequence
+    number of batch entry 0 (a packed batch's sequences one at a time)."""
+    from tilegym.ops.attention import dropout
+    from tilegym.ops.attention.kernels import dropout as device
+
+    low, high = (int(word) for word in seed.tolist())
+    heads_ = torch.arange(heads, dtype=torch.int64).reshape(1, -1, 1, 1)
+    sequences = torch.arange(first_sequence, first_sequence + batch, dtype=torch.int64).reshape(-1, 1, 1, 1)
+    stream = _mix32((low + _times(heads_, device.HEAD_STEP)) & _WORD)
+    stream = _mix32(stream ^ high)
+    stream = _mix32((stream + _times(sequences, device.SEQUENCE_STEP)) & _WORD)  # [B, H, 1, 1]
+    rows = _times(torch.arange(seqlen_q, dtype=torch.int64).reshape(1, 1, -1, 1), device.ROW_STEP)
+    cols = _times(torch.arange(seqlen_k, dtype=torch.int64).reshape(1, 1, 1, -1), device.COLUMN_STEP)
+    hashed = _mix32(_mix32(stream ^ rows) ^ cols)
+    return (hashed >> (32 - device.KEPT_BITS)) >= dropout.threshold(rate)
 
 
 def _indices(shape, device) -> tuple:

@@ -47,6 +47,8 @@ class ScoreMods:
     # imported here: the kernels import this module, and the kernel cache keys them by the
     # source of every module they import.
     user: object = None
+    # Attention dropout's rate (dropout.py), 0: off. Not a score switch: every variant takes it.
+    dropout: float = 0.0
 
     @cached_property
     def switches(self) -> frozenset:
@@ -89,6 +91,8 @@ class ScoreMods:
             parts.append("alibi")
         if self.sinks:
             parts.append("sinks")
+        if self.dropout:
+            parts.append("dropout")
         return "".join(f"|{part}" for part in parts) + ("" if self.user is None else self.user.key())
 
 
@@ -104,6 +108,7 @@ class ModTensors:
     sinks: torch.Tensor | None = None  # float32 (float64 for float64 inputs) [Hq], contiguous
     aux: tuple = ()  # the caller's tensors for score_mod (programmable.py), as given
     block_mask: object = None  # the caller's mask (block_mask.BlockMask), or None
+    dropout_seed: torch.Tensor | None = None  # int32 [2] (dropout.new_seed) with dropout
 
 
 NO_TENSORS = ModTensors()

@@ -8,6 +8,7 @@ transpose of the forward's, so that dK and dV accumulate as [block_n, block_d] r
 import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
+from tilegym.ops.attention.kernels.dropout import dropout_of, dropped_scaled, kept, kept_or_none
 from tilegym.ops.attention.kernels.head import (
     add_head,
     head_dot,
@@ -263,14 +264,16 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         probs_t = exp2(scores_log2(scores_t, scoring) - lse)
     if masked:
         probs_t = ct.where(visible(rows, tile.cols, scoring), probs_t, 0.0)
+    kept_t = kept_or_none(scoring.dropout, rows, tile.cols)
     # See the second load of Q below; masked steps (few) keep one load: with two, the causal
     # kernel spilled a register.
     reload_q = tile.sum_dq and not masked
     if sums_dv and not reload_q:
-        d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)  # [block_n, Dv]
+        probs_v_t = dropped_scaled(probs_t, scoring.dropout, kept_t).astype(d_out.main.dtype)
+        d_value = head_product(probs_v_t, d_out, d_value, tiling.value)  # [block_n, Dv]
     state = KeyState(state.d_key, d_value, state.d_bias_row, state.pending_dq, q_tile)
     if sums_dk:
-        step = QueryStep(q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t)
+        step = QueryStep(q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t, kept_t)
         state = _dk_share(tile, step, state, reload_q)
     return state
 
@@ -287,6 +290,7 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
     d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
     acc_dtype = probs_t.dtype
     d_probs_t = head_dot(tile.v, d_out, ct.zeros((block_n, block_m), acc_dtype), tiling.value)  # [block_n, block_m]
+    d_probs_t = dropped_scaled(d_probs_t, scoring.dropout, step.kept)
     d_scores_t = probs_t * (d_probs_t - step.delta)  # [block_n, block_m]
     # The bias's gradient is that of the scores it is added to: back through the caller's
     # score_mod, applied after it, and not through the softcap, applied before (raw_gradient).
@@ -311,7 +315,8 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
         q_again = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)
         d_key = head_product(d_scores_t, q_again, d_key, tiling.qk)
         if tile.sums_dv:
-            d_value = head_product(probs_t.astype(d_out.main.dtype), d_out, d_value, tiling.value)
+            probs_v_t = dropped_scaled(probs_t, scoring.dropout, step.kept).astype(d_out.main.dtype)
+            d_value = head_product(probs_v_t, d_out, d_value, tiling.value)
     else:
         d_key = head_product(d_scores_t, q, d_key, tiling.qk)  # [block_n, D]
     if tile.sum_dq and not dq_key_major:
@@ -422,6 +427,11 @@ def attention_backward_dkdv_kernel(
     AuxGrad1,
     AuxGrad2,
     AuxGrad3,
+    DropoutSeed,
+    dropout_threshold: int,
+    dropout_scale: float,
+    dropout_scale_lo: float,
+    dropout: ConstBool,
 ):
     """dK and dV (and dBias, with bias_grad) of one key tile of one KV head.
 
@@ -445,6 +455,7 @@ def attention_backward_dkdv_kernel(
     part: DKDV_BOTH, or DKDV_VALUE or DKDV_KEY for a program that sums only dV or only dK (and
     dQ with sum_dq), holding one accumulator where both did not fit (wide heads): its launch
     writes that gradient alone.
+    dropout: as the forward kernel (dropout.py), which dV's P and dS's dP follow.
     """
     if causal and sum_dq:
         # Causal key tiles near the start of the sequence are seen by the most query tiles.
@@ -520,7 +531,7 @@ def attention_backward_dkdv_kernel(
         mods = head_mods(
             Bias, Slopes, seq, first_q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi
         )
-        first_scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, 0)
+        first_scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, 0, 0)
         if _seen_by_no_query(kv_tile, first_q_head, members, seq, first_scoring, MaskCounts, MaskTiles, block_sparse):
             nothing = ct.zeros((1, 1), acc_dtype)
             d_key_zeros = head_zeros(block_n, tiling.qk, acc_dtype) if sums_dk else nothing
@@ -553,7 +564,10 @@ def attention_backward_dkdv_kernel(
             seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3,
             (AuxGrad0, AuxGrad1, AuxGrad2, AuxGrad3),
         )  # fmt: skip
-        scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
+        drop = dropout_of(
+            DropoutSeed, seq, q_head, dropout_threshold, dropout_scale, dropout_scale_lo, acc_dtype, dropout
+        )
+        scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user, drop)
         # A held dQ share starts as zeros "for" query tile 0, which always exists: the first
         # step adds them there, so no step needs a branch (one spare reduction per head).
         pending_dq = head_zeros(block_m, tiling.qk, acc_dtype) if holds_dq else ct.zeros((1, 1), acc_dtype)
@@ -634,6 +648,9 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
     d_probs = head_dot(tile.d_out, v, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.value)
+    if scoring.dropout.on:
+        columns = kv_tile * tiling.block_n + ct.arange(tiling.block_n, dtype=ct.int32)[None, :]
+        d_probs = dropped_scaled(d_probs, scoring.dropout, kept(scoring.dropout, tile.rows, columns))
     d_scores = raw_gradient(probs * (d_probs - tile.delta), capped_tanh, natural, step_scores, tile.rows, cols, scoring)
     return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling.qk)
 
@@ -702,6 +719,11 @@ def attention_backward_dq_kernel(
     MaskCounts,
     MaskTiles,
     block_sparse: ConstBool,
+    DropoutSeed,
+    dropout_threshold: int,
+    dropout_scale: float,
+    dropout_scale_lo: float,
+    dropout: ConstBool,
 ):
     """dQ of one query tile, looping over the key tiles it sees; first the tile's row statistics
     (_row_stats), which the dK/dV kernel launched after it reads: no preprocess kernel, and Out
@@ -709,7 +731,7 @@ def attention_backward_dq_kernel(
     lse_grad: DLse, the LSE's gradient, folds into Delta. sinks_grad: the tile's share of the
     sinks' gradient goes to DSinks [B, Hq, query tiles]. Unused arrays are placeholders.
     varlen: a packed batch (packed.py); grid axis 2 counts its sequences, DSinks' axis 0 too.
-    The caller's functions and block_sparse: as the forward kernel."""
+    The caller's functions, block_sparse and dropout: as the forward kernel."""
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes and DSinks' row
     if varlen:
@@ -737,7 +759,8 @@ def attention_backward_dq_kernel(
     mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
     user = user_args(seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
     tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, block_dv_tail))
-    scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
+    drop = dropout_of(DropoutSeed, seq, q_head, dropout_threshold, dropout_scale, dropout_scale_lo, acc_dtype, dropout)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user, drop)
 
     # A packed batch's program loads these and stores dQ once: no bulk copies (tiles.load_tile).
     bulk = bulk_once(varlen, scoring.tiling)

@@ -71,7 +71,7 @@ def block_mask_kernel(
     mods = HeadMods(Kinds, 0, 0, 0.0, 0.0, 0.0, window_left, window_right)
     user = user_args(b, h, MaskAux0, MaskAux1, MaskAux2, MaskAux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
     tiling = Tiling(block_m, block_n, HeadSplit(0, 0), HeadSplit(0, 0))
-    scoring = Scoring(1.0, SeqLens(seqlen_q, seqlen_k), mods, switches, tiling, causal, user)
+    scoring = Scoring(1.0, SeqLens(seqlen_q, seqlen_k), mods, switches, tiling, causal, user, 0)
     rows = q_tile * block_m + ct.arange(block_m, dtype=ct.int32)[:, None]
     cols = kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
     real_rows = rows < seqlen_q

@@ -9,6 +9,7 @@ function's output stays in natural units, times log2(e) there (modifiers.keeps_s
 import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
+from tilegym.ops.attention.kernels.dropout import dropout_of, dropped, output_scale
 from tilegym.ops.attention.kernels.head import (
     head_dot,
     head_product,
@@ -100,9 +101,16 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
         probs = exp2(step_scores - new_max_safe)
         rescale = exp2(row_max - new_max_safe)
     row_sum = state.row_sum * rescale + ct.sum(probs, axis=1, keepdims=True)
+    probs = dropped(probs, scoring.dropout, tile.rows, _columns(kv_tile, tiling.block_n))
     v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
     acc = head_product(probs.astype(v.main.dtype), v, head_scaled(state.acc, rescale, tiling.value), tiling.value)
     return ForwardState(new_max, row_sum, acc)
+
+
+@ct.function
+def _columns(kv_tile, block_n: ConstInt):
+    """[1, block_n] key indices of a tile (for dropout, which needs them in every step)."""
+    return kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
 
 
 @ct.function
@@ -130,10 +138,12 @@ def _first_step_fixed_max(first, state, tile):
         raw = head_dot(tile.q, k, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.qk)
         row_max = ct.max(raw, axis=1, keepdims=True)
         probs = exp2(raw * qk_scale_log2 - row_max * qk_scale_log2)
+        row_sum = ct.sum(probs, axis=1, keepdims=True)
+        probs = dropped(probs, tile.scoring.dropout, tile.rows, _columns(kv_tile, tiling.block_n))
         v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
         zeros = head_zeros(tiling.block_m, tiling.value, acc_dtype)
         acc = head_product(probs.astype(v.main.dtype), v, zeros, tiling.value)
-        state = ForwardState(row_max, ct.sum(probs, axis=1, keepdims=True), acc)
+        state = ForwardState(row_max, row_sum, acc)
     return state
 
 
@@ -168,6 +178,7 @@ def _loop_fixed_max(first, last, state, tile, masked: ConstBool):
         if masked:
             probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
+        probs = dropped(probs, scoring.dropout, tile.rows, _columns(kv_tile, tiling.block_n))
         v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
         acc = head_product(probs.astype(v.main.dtype), v, acc, tiling.value)
     return ForwardState(row_max, row_sum, acc)
@@ -307,6 +318,11 @@ def attention_forward_kernel(
     MaskCounts,
     MaskTiles,
     block_sparse: ConstBool,
+    DropoutSeed,
+    dropout_threshold: int,
+    dropout_scale: float,
+    dropout_scale_lo: float,
+    dropout: ConstBool,
 ):
     """One query tile of out = softmax(scores) v; with write_lse also lse = log(sum_j
     exp(score_ij)) (natural log), the backward's statistic. Without it, Lse is not touched (a
@@ -319,6 +335,8 @@ def attention_forward_kernel(
     varlen: a packed batch (packed.py); grid axis 2 counts its sequences.
     The caller's functions (user.py) read Aux* and MaskAux*; block_sparse: the key tiles come
     from a block mask's lists (MaskCounts, MaskTiles) instead of the causal or window ranges.
+    dropout: the probabilities that multiply V are dropped as dropout.py draws them from
+    DropoutSeed, the threshold and the scale; the LSE is that of the undropped ones.
     """
     q_tile, q_head, b, kv_head = query_program(query_group_size, causal)
     seq = b  # the batch entry or, packed, the sequence: it picks ALiBi slopes
@@ -345,7 +363,8 @@ def attention_forward_kernel(
     mods = head_mods(Bias, Slopes, seq, q_head, softcap_in, softcap_log2, window_left, window_right, acc_dtype, alibi)
     user = user_args(seq, q_head, Aux0, Aux1, Aux2, Aux3, MaskAux0, MaskAux1, MaskAux2, MaskAux3)
     tiling = Tiling(block_m, block_n, HeadSplit(block_d, block_d_tail), HeadSplit(block_dv, 0))
-    scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user)
+    drop = dropout_of(DropoutSeed, seq, q_head, dropout_threshold, dropout_scale, dropout_scale_lo, acc_dtype, dropout)
+    scoring = Scoring(qk_scale_log2, lengths, mods, switches, tiling, causal, user, drop)
 
     # A packed batch's program loads its query tile and stores its output once: no bulk copies.
     bulk = bulk_once(varlen, scoring.tiling)
@@ -372,7 +391,7 @@ def attention_forward_kernel(
     # One reciprocal per row, not a division per element: the division's slow-path checks
     # cost the epilogue a share of a short sequence's time.
     row_sum = state.row_sum
-    out = head_scaled(state.acc, 1.0 / ct.where(row_sum == 0.0, 1.0, row_sum), tiling.value)
+    out = head_scaled(state.acc, output_scale(drop) / ct.where(row_sum == 0.0, 1.0, row_sum), tiling.value)
     store_head(Out, b, q_head, q_tile, out, block_m, tiling.value, bulk)
     if write_lse:
         row_max = state.row_max

@@ -151,6 +151,17 @@ class Scoring:
     tiling: Value  # Tiling
     causal: Value  # compile-time; off under a window, which carries its own right side
     user: Value  # UserArgs
+    dropout: Value  # Dropout (dropout.py), or 0 where no probability is computed for V
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Attention dropout of one program's sequence and query head (dropout.py)."""
+
+    on: Value  # compile-time: the kernel drops probabilities
+    stream: Value  # uint32 [1, 1]: the hash of the seed, the sequence and the query head
+    threshold: Value  # int32: a probability is dropped where its 24-bit hash is below it
+    scale: Value  # 1 / (1 - rate), in the accumulator dtype
 
 
 @dataclass(frozen=True)
@@ -225,6 +236,7 @@ class QueryStep:
     capped_tanh: Value
     natural: Value
     probs: Value  # P^T
+    kept: Value  # dropout.kept of P^T, or 0 without dropout
 
 
 @dataclass(frozen=True)

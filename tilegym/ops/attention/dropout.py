@@ -1,0 +1,57 @@
+"""Attention dropout on the host: the rate's check, a call's seed, and what the kernels take.
+
+The kernels (kernels/dropout.py) drop each probability that multiplies V where a hash of the
+call's seed and its position falls below a threshold, and scale the kept ones by the inverse of
+the keep probability. A call with dropout draws a new seed from PyTorch's CUDA generator (so
+torch.manual_seed reproduces it, and CUDA graphs replay a fresh one each time); its backward
+reuses that seed, so it sees the forward's mask without storing one.
+"""
+
+import dataclasses
+
+import torch
+
+from tilegym.ops.attention.problem import AttentionProblem
+from tilegym.ops.attention.score_mods import ModTensors
+
+# The kernels compare the top KEPT_BITS bits of each hash with the threshold.
+KEPT_BITS = 24
+_LEVELS = 1 << KEPT_BITS
+
+
+def check_rate(dropout_p) -> float:
+    """dropout_p as a float in [0, 1), or an error naming it."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    rate = float(dropout_p)
+    if not 0.0 <= rate < 1.0:
+        # 1 drops every probability: the output would be 0 / 0.
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return rate
+
+
+def threshold(rate: float) -> int:
+    """The kernels' threshold: a probability is dropped where its KEPT_BITS-bit hash is below it."""
+    return min(round(rate * _LEVELS), _LEVELS - 1)
+
+
+def kept_scale(rate: float) -> float:
+    """1 / (the exact keep probability of rate's threshold)."""
+    return _LEVELS / (_LEVELS - threshold(rate))
+
+
+def new_seed(device: torch.device) -> torch.Tensor:
+    """A call's seed: int32 [2] in [0, 2^31), drawn on the device (no host synchronisation)."""
+    return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=device)
+
+
+def with_dropout(
+    problem: AttentionProblem, mod_tensors: ModTensors, rate: float, device: torch.device
+) -> tuple[AttentionProblem, ModTensors]:
+    """problem and mod_tensors with dropout at rate (checked; 0 leaves them as they are) and a new
+    seed on device."""
+    if rate == 0.0:
+        return problem, mod_tensors
+    mods = dataclasses.replace(problem.mods, dropout=rate)
+    seed = new_seed(device)
+    return dataclasses.replace(problem, mods=mods), dataclasses.replace(mod_tensors, dropout_seed=seed)
