@@ -1509,6 +1509,53 @@ def test_op_packed_score_functions_stay_in_one_compiled_graph(monkeypatch):
     assert [tuple(t.grad.shape) for t in (q, k, v)] == [(12, 4, 64), (12, 2, 64), (12, 2, 64)]
 
 
+def _dropout_arguments(launched) -> list:
+    """(name, dropout switch, its seed tensor) of each recorded launch."""
+    found = []
+    for name, kernel, _, args, _ in launched:
+        names = launching.parameter_names(kernel)
+        given = dict(zip(names, args, strict=True))
+        found.append((name, given["dropout"], given["DropoutSeed"]))
+    return found
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_op_dropout_stays_in_one_compiled_graph(monkeypatch, packed):
+    """torch.compile(fullgraph=True) of a training step with dropout: the seed is drawn in the
+    graph, the operators pass it to the forward and the backward's kernels, one new seed per
+    run, and no dropout reaches a call without it."""
+    from tilegym.ops.attention import custom_ops
+
+    if packed:
+        q, k, v, packing = _recorded_packed_call(monkeypatch)
+        monkeypatch.setattr(custom_ops, "check_packed_inputs", _checked_on_the_cpu)
+    else:
+        monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
+        monkeypatch.setattr(launch, "compile_backward_ahead", lambda *args, **kwargs: None)
+        monkeypatch.setattr(custom_ops, "check_inputs", _checked_dense_on_the_cpu)
+        q, k, v = (t.requires_grad_() for t in _cpu_inputs())
+        packing = {}
+    torch._dynamo.reset()
+
+    def step(q, k, v, rate):
+        return tile_fmha_functional(q, k, v, None, True, True, dropout_p=rate, **packing).float().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    seeds = []
+    for rate in (0.25, 0.25, 0.0):
+        _RecordingLauncher.launches = []
+        compiled(q, k, v, rate).backward()
+        found = _dropout_arguments(_RecordingLauncher.launches)
+        assert [name for name, *_ in found] == [configs.FORWARD_LSE, configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
+        assert all(on == bool(rate) for _, on, _ in found), rate
+        if rate:
+            first = found[0][2]
+            assert first.dtype == torch.int32 and tuple(first.shape) == (2,)
+            assert all(torch.equal(seed, first) for _, _, seed in found), "the backward reuses the forward's seed"
+            seeds.append(first.clone())
+    assert not torch.equal(*seeds), "each run draws a new seed"
+
+
 def test_op_closures_run_at_a_graph_break_under_torch_compile():
     """torch.compile's guards tell functions apart by their code object alone, so only functions
     that close over nothing pass through the operators by key (the ready-made ones are such

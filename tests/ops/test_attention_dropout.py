@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from tests.ops import test_attention_varlen as varlen_tests
-from tests.ops.attention_cases import Case, assert_close_to_reference, make_inputs, max_error, reference_run
+from tests.ops.attention_cases import (
+    Case,
+    assert_close_to_reference,
+    capture_training_step,
+    make_inputs,
+    max_error,
+    reference_run,
+)
 from tests.ops.conftest import requires_cuda
 from tilegym import tile_fmha_functional, tile_fmha_with_backward
 from tilegym.ops.attention import dropout
@@ -157,6 +164,60 @@ def test_op_dropout_functional_and_gradcheck_fp64():
     with torch.no_grad():
         torch.cuda.manual_seed(3)
         assert torch.equal(tile_fmha_functional(q, k, v, is_causal=False, dropout_p=0.3), attention(q, k, v))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_op_dropout_under_torch_compile(packed, fixed_seed):
+    """torch.compile(fullgraph=True) runs the same kernels with the same mask as the eager call."""
+    torch._dynamo.reset()
+    if packed:
+        batch = varlen_tests.pack([37, 300, 129], q_heads=4, kv_heads=2, head_dim=64)
+        q, k, v = batch.q, batch.k, batch.v
+        extra = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), batch.lengths, strict=True))
+    else:
+        q, k, v = make_inputs(Case("c", 2, 4, 2, 300, 300, 64), torch.bfloat16)
+        extra = {}
+    d_out = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+
+    def attention(q, k, v):
+        return tile_fmha_functional(q, k, v, None, True, dropout_p=0.3, **extra)
+
+    def step(call):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = call(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, d_out))
+
+    eager = step(attention)
+    compiled = step(torch.compile(attention, fullgraph=True))
+    for name, ours, expected in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
+        assert torch.equal(ours, expected), name
+
+
+def test_op_dropout_in_a_cuda_graph(monkeypatch):
+    """A captured training step reads the seed's tensor at each replay: filled with another seed,
+    a replay applies that seed's mask (checked against the reference each time)."""
+    case = Case("c", 1, 4, 2, 200, 260, 64)
+    rate = 0.3
+    seed = torch.tensor(SEED, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(dropout, "new_seed", lambda device: seed)
+    q, k, v = (t.requires_grad_() for t in make_inputs(case, torch.bfloat16))
+    d_out = torch.randn_like(q)
+
+    def step():
+        out = tile_fmha_with_backward(q, k, v, is_causal=True, dropout_p=rate)
+        return (out, *torch.autograd.grad(out, (q, k, v), d_out))
+
+    graph, results = capture_training_step(step, [])
+    for words in ((11, 22), (33, 44)):
+        seed.copy_(torch.tensor(words, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        kwargs = _dense_kwargs(case, rate, seed.cpu(), {})
+        ref_out, _, ref_grads = reference_run(q, k, v, d_out, True, kwargs, torch.float64)
+        base_out, _, base_grads = reference_run(q, k, v, d_out, True, kwargs, torch.bfloat16)
+        assert_close_to_reference("out", results[0], base_out, ref_out, torch.bfloat16)
+        for name, ours, base, ref in zip(("dq", "dk", "dv"), results[1:], base_grads, ref_grads, strict=True):
+            assert_close_to_reference(name, ours, base, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("rate, error", [(1.0, ValueError), (-0.1, ValueError), ("0.1", TypeError), (True, TypeError)])

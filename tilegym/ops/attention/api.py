@@ -214,10 +214,12 @@ def tile_fmha_with_backward(
     mods = _Mods(attn_bias, window_size, softcap, alibi_slopes, sinks)
     programs = CallerFunctions.of(score_mod, score_mod_grad, aux, aux_grad, mask_mod, mask_aux, block_mask)
     mods, programs = predefined.lower(mods, programs, q, k, is_causal)
-    if torch.compiler.is_compiling() and _operator_takes(programs) and not rate:
-        out, lse = _custom_op(q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=True)
+    if torch.compiler.is_compiling() and _operator_takes(programs):
+        out, lse = _custom_op(
+            q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=True, rate=rate
+        )
         return (out, lse) if return_lse else out
-    if programs is not None or rate:
+    if programs is not None or rate:  # eager, or at a graph break
         out, lse = _programmed_training(q, k, v, scaling, is_causal, mods, programs, rate)
         return (out, lse) if return_lse else out
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
@@ -400,8 +402,8 @@ def _programmed_forward(q, k, v, scaling, is_causal, mods: _Mods, programs: Call
 
 @torch.compiler.disable
 def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions | None, rate: float):
-    """(out, lse) through autograd with the caller's functions or dropout at rate (see
-    _programmed_forward; the operators take neither dropout nor its seed)."""
+    """(out, lse) through autograd with the caller's functions (see _programmed_forward) or
+    dropout at rate."""
     aux = () if programs is None else programs.aux_tensors()
     needs_grad = _needs_grad(q, k, v, mods.attn_bias, mods.sinks, *aux)
     if programs is None:
@@ -435,8 +437,8 @@ def _packed_attention(
     rate: dropout's (checked)."""
     if not isinstance(with_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
-    if torch.compiler.is_compiling() and _operator_takes(programs) and not rate:
-        out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, programs, differentiable)
+    if torch.compiler.is_compiling() and _operator_takes(programs):
+        out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, programs, differentiable, rate)
     elif programs is not None or rate:
         out, lse = _programmed_packed(
             q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs, rate
@@ -473,8 +475,9 @@ _programmed_packed = torch.compiler.disable(_packed_eager)
 
 
 def _packed_custom_op(
-    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, programs: CallerFunctions | None, differentiable: bool
-):
+    q, k, v, scaling, is_causal, mods: _Mods, packed: _Packed, programs: CallerFunctions | None, differentiable: bool,
+    rate: float,
+):  # fmt: skip
     """The packed call as custom_ops.attention_varlen (see _custom_op)."""
     training = differentiable and _needs_grad(q, k, v, mods.sinks, *_aux_of(programs))
     functions = _operator_functions(programs, training, differentiable)
@@ -485,7 +488,7 @@ def _packed_custom_op(
     window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
     return custom_ops.attention_varlen(
         q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k, alibi_slopes,
-        sinks, scaling, is_causal, window, mods.softcap, *functions,
+        sinks, scaling, is_causal, window, mods.softcap, *functions, *_operator_dropout(rate, q),
     )  # fmt: skip
 
 
@@ -504,8 +507,9 @@ def _operator_takes(programs: CallerFunctions | None) -> bool:
 
 
 def _custom_op(
-    q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions | None, with_lse: bool, differentiable: bool
-):
+    q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions | None, with_lse: bool, differentiable: bool,
+    rate: float = 0.0,
+):  # fmt: skip
     """The call as custom_ops.attention, which torch.compile keeps in its graph; the operator
     checks its arguments. Without differentiable, no gradient flows (as in the eager inference
     path). The caller's functions travel as their key (caller_functions.operator_key)."""
@@ -518,8 +522,15 @@ def _custom_op(
     # The schema takes a list of ints; anything else fails its check, which names the argument.
     window = list(mods.window_size) if isinstance(mods.window_size, tuple) else mods.window_size
     return custom_ops.attention(
-        q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window, mods.softcap, with_lse, *functions
+        q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window, mods.softcap, with_lse, *functions,
+        *_operator_dropout(rate, q),
     )  # fmt: skip
+
+
+def _operator_dropout(rate: float, q) -> tuple:
+    """The operators' (dropout_p, dropout_seed), none without dropout: the seed drawn here, in the
+    compiled graph, so that each run of it draws a new one."""
+    return (rate, dropout.new_seed(q.device)) if rate else ()
 
 
 def _aux_of(programs: CallerFunctions | None) -> tuple:

@@ -45,13 +45,25 @@ def new_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=device)
 
 
+def check_seed(seed, device: torch.device) -> torch.Tensor:
+    """An operator's seed: new_seed's int32 [2] on the call's device, or an error naming it."""
+    if not isinstance(seed, torch.Tensor):
+        raise TypeError(f"dropout_seed must be a tensor, got {type(seed).__name__}")
+    if seed.dtype != torch.int32 or tuple(seed.shape) != (2,) or seed.device != device:
+        raise ValueError(
+            f"dropout_seed must be an int32 tensor of shape (2,) on {device}, got {seed.dtype} "
+            f"{tuple(seed.shape)} on {seed.device}"
+        )
+    return seed
+
+
 def with_dropout(
-    problem: AttentionProblem, mod_tensors: ModTensors, rate: float, device: torch.device
+    problem: AttentionProblem, mod_tensors: ModTensors, rate: float, device: torch.device, seed=None
 ) -> tuple[AttentionProblem, ModTensors]:
-    """problem and mod_tensors with dropout at rate (checked; 0 leaves them as they are) and a new
-    seed on device."""
+    """problem and mod_tensors with dropout at rate (checked; 0 leaves them as they are) and seed,
+    a new one on device when None (the operators are given theirs, check_seed)."""
     if rate == 0.0:
         return problem, mod_tensors
     mods = dataclasses.replace(problem.mods, dropout=rate)
-    seed = new_seed(device)
+    seed = new_seed(device) if seed is None else check_seed(seed, device)
     return dataclasses.replace(problem, mods=mods), dataclasses.replace(mod_tensors, dropout_seed=seed)
