@@ -14,10 +14,6 @@ import torch
 from tilegym.ops.attention.problem import AttentionProblem
 from tilegym.ops.attention.score_mods import ModTensors
 
-# The kernels compare the top KEPT_BITS bits of each hash with the threshold.
-KEPT_BITS = 24
-_LEVELS = 1 << KEPT_BITS
-
 
 def check_rate(dropout_p) -> float:
     """dropout_p as a float in [0, 1), or an error naming it."""
@@ -30,14 +26,23 @@ def check_rate(dropout_p) -> float:
     return rate
 
 
+def _levels() -> int:
+    """How many values the hash's bits that the kernels compare take (kernels/dropout.py's
+    KEPT_BITS; imported here, on first use, so that this module loads without cuTile)."""
+    from tilegym.ops.attention.kernels.dropout import KEPT_BITS
+
+    return 1 << KEPT_BITS
+
+
 def threshold(rate: float) -> int:
-    """The kernels' threshold: a probability is dropped where its KEPT_BITS-bit hash is below it."""
-    return min(round(rate * _LEVELS), _LEVELS - 1)
+    """The kernels' threshold: a probability is dropped where its hash's compared bits are below it."""
+    levels = _levels()
+    return min(round(rate * levels), levels - 1)
 
 
 def kept_scale(rate: float) -> float:
     """1 / (the exact keep probability of rate's threshold)."""
-    return _LEVELS / (_LEVELS - threshold(rate))
+    return _levels() / (_levels() - threshold(rate))
 
 
 def new_seed(device: torch.device) -> torch.Tensor:
