@@ -112,12 +112,16 @@ def test_op_dropout_each_backward(backward, head_dim, fixed_seed, monkeypatch):
     check_dense(case, torch.bfloat16, True, 0.2, fixed_seed)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("backward", ["auto", "fused"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_op_dropout_packed(causal, fixed_seed):
-    """tile_fmha_varlen: each sequence's mask counts its own rows and columns, b the sequence."""
+def test_op_dropout_packed(causal, backward, head_dim, fixed_seed, monkeypatch):
+    """tile_fmha_varlen: each sequence's mask counts its own rows and columns, b the sequence;
+    also with the fused backward forced (its programs read the whole batch's row statistics)."""
+    monkeypatch.setenv("TILEGYM_BACKWARD", backward)
     rate = 0.3
     batch = varlen_tests.pack([0, 1, 77, 300, 129, 64], [5, 1, 90, 300, 129, 0], q_heads=4, kv_heads=2,
-                              head_dim=64, spare_q=3, spare_k=2)  # fmt: skip
+                              head_dim=head_dim, spare_q=3, spare_k=2)  # fmt: skip
 
     def per_sequence(s, length_q, length_k):
         kept = dropout_kept(fixed_seed, rate, 1, 4, length_q, length_k, first_sequence=s).cuda()
