@@ -1519,12 +1519,13 @@ def _dropout_arguments(launched) -> list:
     return found
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_op_dropout_stays_in_one_compiled_graph(monkeypatch, packed):
-    """torch.compile(fullgraph=True) of a training step with dropout: the seed is drawn in the
-    graph, the operators pass it to the forward and the backward's kernels, one new seed per
-    run, and no dropout reaches a call without it."""
-    from tilegym.ops.attention import custom_ops
+def test_op_dropout_reaches_the_kernels(monkeypatch, packed, compiled):
+    """A training step with dropout, eager and under torch.compile(fullgraph=True) (the seed then
+    drawn in the graph): the forward and the backward's kernels get the switch and one seed,
+    a new seed per run, and no dropout reaches a call without it."""
+    from tilegym.ops.attention import api, custom_ops
 
     if packed:
         q, k, v, packing = _recorded_packed_call(monkeypatch)
@@ -1533,6 +1534,7 @@ def test_op_dropout_stays_in_one_compiled_graph(monkeypatch, packed):
         monkeypatch.setattr(launch, "_Launcher", _RecordingLauncher)
         monkeypatch.setattr(launch, "compile_backward_ahead", lambda *args, **kwargs: None)
         monkeypatch.setattr(custom_ops, "check_inputs", _checked_dense_on_the_cpu)
+        monkeypatch.setattr(api, "check_inputs", _checked_dense_on_the_cpu)
         q, k, v = (t.requires_grad_() for t in _cpu_inputs())
         packing = {}
     torch._dynamo.reset()
@@ -1540,11 +1542,11 @@ def test_op_dropout_stays_in_one_compiled_graph(monkeypatch, packed):
     def step(q, k, v, rate):
         return tile_fmha_functional(q, k, v, None, True, True, dropout_p=rate, **packing).float().sum()
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    run = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
     seeds = []
     for rate in (0.25, 0.25, 0.0):
         _RecordingLauncher.launches = []
-        compiled(q, k, v, rate).backward()
+        run(q, k, v, rate).backward()
         found = _dropout_arguments(_RecordingLauncher.launches)
         assert [name for name, *_ in found] == [configs.FORWARD_LSE, configs.BACKWARD_DQ, configs.BACKWARD_DKDV]
         assert all(on == bool(rate) for _, on, _ in found), rate

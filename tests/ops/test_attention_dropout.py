@@ -5,8 +5,6 @@ Each call's seed is fixed by replacing dropout.new_seed, so that the reference b
 mask; the yardstick is the reference in the inputs' dtype with that mask.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -231,4 +229,3 @@ def test_op_dropout_rejects_bad_rates(rate, error):
         tile_fmha_with_backward(q, k, v, dropout_p=rate)
     with pytest.raises(ValueError, match="training=False"):
         tile_fmha_functional(q, k, v, training=False, dropout_p=0.1)
-    assert not math.isnan(q.float().sum().item())

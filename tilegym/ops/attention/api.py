@@ -219,10 +219,11 @@ def tile_fmha_with_backward(
             q, k, v, scaling, is_causal, mods, programs, with_lse=True, differentiable=True, rate=rate
         )
         return (out, lse) if return_lse else out
-    if programs is not None or rate:  # eager, or at a graph break
+    if programs is not None:
         out, lse = _programmed_training(q, k, v, scaling, is_causal, mods, programs, rate)
         return (out, lse) if return_lse else out
     problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
+    problem, mod_tensors = dropout.with_dropout(problem, mod_tensors, rate, q.device)
     # mods.attn_bias, not attn_bias: a ready-made bias function may have become it (predefined.py).
     if _needs_grad(q, k, v, mods.attn_bias, sinks):
         # The backward's kernels compile in the background while the forward's kernel compiles.
@@ -401,15 +402,12 @@ def _programmed_forward(q, k, v, scaling, is_causal, mods: _Mods, programs: Call
 
 
 @torch.compiler.disable
-def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions | None, rate: float):
-    """(out, lse) through autograd with the caller's functions (see _programmed_forward) or
+def _programmed_training(q, k, v, scaling, is_causal, mods: _Mods, programs: CallerFunctions, rate: float):
+    """(out, lse) through autograd with the caller's functions (see _programmed_forward), and
     dropout at rate."""
-    aux = () if programs is None else programs.aux_tensors()
+    aux = programs.aux_tensors()
     needs_grad = _needs_grad(q, k, v, mods.attn_bias, mods.sinks, *aux)
-    if programs is None:
-        problem, mod_tensors = mods.check(q, k, v, scaling, is_causal)
-    else:
-        problem, mod_tensors = _programmed_check(q, k, v, scaling, is_causal, mods, programs, needs_grad)
+    problem, mod_tensors = _programmed_check(q, k, v, scaling, is_causal, mods, programs, needs_grad)
     problem, mod_tensors = dropout.with_dropout(problem, mod_tensors, rate, q.device)
     if needs_grad:
         bias_grad = mods.attn_bias is not None and mods.attn_bias.requires_grad
@@ -439,12 +437,12 @@ def _packed_attention(
         raise TypeError(f"return_lse must be a bool, got {type(with_lse).__name__}")
     if torch.compiler.is_compiling() and _operator_takes(programs):
         out, lse = _packed_custom_op(q, k, v, scaling, is_causal, mods, packed, programs, differentiable, rate)
-    elif programs is not None or rate:
+    elif programs is not None:
         out, lse = _programmed_packed(
             q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, programs, rate
         )  # fmt: skip
     else:
-        out, lse = _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable)
+        out, lse = _packed_eager(q, k, v, scaling, is_causal, mods, packed, with_lse, differentiable, rate=rate)
     return (out, lse) if with_lse else out
 
 

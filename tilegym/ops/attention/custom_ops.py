@@ -141,19 +141,13 @@ def _attention_backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, _, key, aux, mask_aux = inputs[
-        :14
-    ]
-    dropout_p, dropout_seed = _dropout_inputs(inputs[14:])
+    # The dispatcher fills in the dropout arguments' defaults where the call left them out.
+    q, k, v, attn_bias, alibi_slopes, sinks, scaling, is_causal, window_size, softcap, _, key, *lists = inputs
+    aux, mask_aux, dropout_p, dropout_seed = lists
     out, lse = output
     _save(ctx, (q, k, v, out, lse, attn_bias, alibi_slopes, sinks, dropout_seed), key, aux, mask_aux)
     ctx.settings = (scaling, is_causal, window_size, softcap)
     ctx.dropout = (dropout_p, _dropout_gradients(dropout_seed))
-
-
-def _dropout_inputs(given) -> tuple:
-    """(dropout_p, dropout_seed) of an operator's inputs after mask_aux."""
-    return (*given, *(0.0, None)[len(given) :])
 
 
 def _dropout_gradients(dropout_seed) -> int:
@@ -322,9 +316,8 @@ def _attention_varlen_backward_fake(d_out, d_lse, q, k, v, out, lse, cu_seqlens_
 
 
 def _setup_varlen_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, *settings = inputs[:16]
-    *settings, key, aux, mask_aux = settings
-    dropout_p, dropout_seed = _dropout_inputs(inputs[16:])
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, *settings = inputs
+    *settings, key, aux, mask_aux, dropout_p, dropout_seed = settings
     out, lse = output
     saved = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, dropout_seed)
     _save(ctx, saved, key, aux, mask_aux)
