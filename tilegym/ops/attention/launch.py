@@ -425,8 +425,8 @@ def forward(
 
 
 def _optional_tensors(mod_tensors: ModTensors, cu_seqlens: CuSeqlens | None) -> tuple:
-    """A call's tensors of its score modifiers and packing, None where it has none: the last
-    roles of its prepared launches (prepared.py), after the call's own tensors.
+    """A call's tensors of its score modifiers, packing and dropout seed, None where it has none:
+    the last roles of its prepared launches (prepared.py), after the call's own tensors.
 
     Self-attention often passes one tensor as both cumulative lengths: it is then the query
     lengths' role alone (the key lengths' None), so that both kernel arguments take it and the

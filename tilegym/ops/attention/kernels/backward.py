@@ -8,7 +8,7 @@ transpose of the forward's, so that dK and dV accumulate as [block_n, block_d] r
 import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
-from tilegym.ops.attention.kernels.dropout import dropout_of, dropped_scaled, kept, kept_or_none
+from tilegym.ops.attention.kernels.dropout import dropout_of, dropped_scaled, kept_or_none
 from tilegym.ops.attention.kernels.head import (
     add_head,
     head_dot,
@@ -44,7 +44,14 @@ from tilegym.ops.attention.kernels.packed import (
     stat_rows_of_rows,
     zero_rows_around,
 )
-from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, query_segments, visible
+from tilegym.ops.attention.kernels.ranges import (
+    key_columns,
+    key_segments,
+    over_segments,
+    query_segments,
+    tile_columns,
+    visible,
+)
 from tilegym.ops.attention.kernels.scheduling import heaviest_first, query_program
 from tilegym.ops.attention.kernels.state import (
     DqTile,
@@ -648,9 +655,8 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
     d_probs = head_dot(tile.d_out, v, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.value)
-    if scoring.dropout.on:
-        columns = kv_tile * tiling.block_n + ct.arange(tiling.block_n, dtype=ct.int32)[None, :]
-        d_probs = dropped_scaled(d_probs, scoring.dropout, kept(scoring.dropout, tile.rows, columns))
+    kept_mask = kept_or_none(scoring.dropout, tile.rows, tile_columns(kv_tile, tiling.block_n))
+    d_probs = dropped_scaled(d_probs, scoring.dropout, kept_mask)
     d_scores = raw_gradient(probs * (d_probs - tile.delta), capped_tanh, natural, step_scores, tile.rows, cols, scoring)
     return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling.qk)
 

@@ -38,7 +38,7 @@ from tilegym.ops.attention.kernels.packed import (
     sequence_rows,
     zero_rows_around,
 )
-from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, visible
+from tilegym.ops.attention.kernels.ranges import key_columns, key_segments, over_segments, tile_columns, visible
 from tilegym.ops.attention.kernels.scheduling import query_program
 from tilegym.ops.attention.kernels.state import ForwardState, ForwardTile, HeadSplit, Scoring, Switches, Tiling
 from tilegym.ops.attention.kernels.tiles import (
@@ -101,16 +101,10 @@ def _forward_step(tile, kv_tile, state, masked: ConstBool):
         probs = exp2(step_scores - new_max_safe)
         rescale = exp2(row_max - new_max_safe)
     row_sum = state.row_sum * rescale + ct.sum(probs, axis=1, keepdims=True)
-    probs = dropped(probs, scoring.dropout, tile.rows, _columns(kv_tile, tiling.block_n))
+    probs = dropped(probs, scoring.dropout, tile.rows, tile_columns(kv_tile, tiling.block_n))
     v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
     acc = head_product(probs.astype(v.main.dtype), v, head_scaled(state.acc, rescale, tiling.value), tiling.value)
     return ForwardState(new_max, row_sum, acc)
-
-
-@ct.function
-def _columns(kv_tile, block_n: ConstInt):
-    """[1, block_n] key indices of a tile (for dropout, which needs them in every step)."""
-    return kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
 
 
 @ct.function
@@ -139,7 +133,7 @@ def _first_step_fixed_max(first, state, tile):
         row_max = ct.max(raw, axis=1, keepdims=True)
         probs = exp2(raw * qk_scale_log2 - row_max * qk_scale_log2)
         row_sum = ct.sum(probs, axis=1, keepdims=True)
-        probs = dropped(probs, tile.scoring.dropout, tile.rows, _columns(kv_tile, tiling.block_n))
+        probs = dropped(probs, tile.scoring.dropout, tile.rows, tile_columns(kv_tile, tiling.block_n))
         v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
         zeros = head_zeros(tiling.block_m, tiling.value, acc_dtype)
         acc = head_product(probs.astype(v.main.dtype), v, zeros, tiling.value)
@@ -178,7 +172,7 @@ def _loop_fixed_max(first, last, state, tile, masked: ConstBool):
         if masked:
             probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
         row_sum = row_sum + ct.sum(probs, axis=1, keepdims=True)
-        probs = dropped(probs, scoring.dropout, tile.rows, _columns(kv_tile, tiling.block_n))
+        probs = dropped(probs, scoring.dropout, tile.rows, tile_columns(kv_tile, tiling.block_n))
         v = load_head(tile.V, tile.b, tile.kv_head, kv_tile, tiling.block_n, tiling.value)
         acc = head_product(probs.astype(v.main.dtype), v, acc, tiling.value)
     return ForwardState(row_max, row_sum, acc)

@@ -135,8 +135,14 @@ def visible(rows, cols, scoring):
 
 
 @ct.function
+def tile_columns(kv_tile, block_n: ConstInt):
+    """[1, block_n] key indices of a key tile."""
+    return kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
+
+
+@ct.function
 def key_columns(kv_tile, block_n: ConstInt, masked: ConstBool, switches):
-    """[1, block_n] key indices of a tile, when the mask, ALiBi or a score function needs them."""
+    """tile_columns when the mask, ALiBi or a score function needs them."""
     if masked or switches.alibi or switches.user.score_mod is not None:
-        return kv_tile * block_n + ct.arange(block_n, dtype=ct.int32)[None, :]
+        return tile_columns(kv_tile, block_n)
     return 0
