@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from tests.ops.attention_cases import assert_close_to_reference, reference_run
 from tests.ops.conftest import requires_cuda  # also: tests use each table's first config
+from tests.ops.test_attention_varlen import cu_seqlens
 from tilegym.ops.attention import score_functions
 from tilegym.ops.attention.block_mask import create_block_mask
 from tilegym.ops.attention.reference import attention_reference
@@ -116,13 +117,6 @@ PACKED_CASES = [
     PackedCase("packed-empty-sequences", (0, 0)),
 ]  # fmt: skip
 PACKED_CASE_BY_NAME = {case.why: case for case in PACKED_CASES}
-
-
-def _cu_seqlens(lengths: list, device) -> torch.Tensor:
-    """int32 cumulative lengths [N + 1] of a packed batch of these lengths."""
-    return torch.tensor(
-        [0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32, device=device
-    )
 
 
 def _alibi_slopes(heads: int, device) -> torch.Tensor:
@@ -380,7 +374,7 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
 
 def _check_packed_case(case: PackedCase, rank: int, world: int, dtype, device) -> None:
     lengths = [units * 2 * world for units in case.units]
-    cu = _cu_seqlens(lengths, device)
+    cu = cu_seqlens(lengths, device)
     total, longest = int(cu[-1]), max(lengths)
     generator = torch.Generator().manual_seed(zlib.crc32(case.why.encode()))
 
@@ -517,7 +511,7 @@ def _check_input_forms(rank: int, world: int, device) -> None:
     tensor), and k and v without gradients: the values and gradients of contiguous inputs."""
     dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
     lengths = [2 * world * n for n in (3, 0, 5)]
-    cu = _cu_seqlens(lengths, device)
+    cu = cu_seqlens(lengths, device)
     forms = (
         (torch.randn(2, 8 * world, 3, 2, 64, dtype=torch.float64), lambda t: shard_sequence(t, dim=1),
          lambda t, i: t[:, :, i].transpose(1, 2), context_parallel_attention),
@@ -565,7 +559,7 @@ def _check_checkpointed(rank: int, world: int, device) -> None:
 
     dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
     lengths = [2 * world * n for n in (4, 1, 6)]
-    cu = _cu_seqlens(lengths, device)
+    cu = cu_seqlens(lengths, device)
     dense = [torch.randn(1, 2, 8 * world, 64, dtype=torch.float64) for _ in range(3)]
     packed_whole = [torch.randn(int(cu[-1]), 2, 64, dtype=torch.float64) for _ in range(3)]
     forms = (
@@ -602,7 +596,7 @@ def _check_helpers(rank: int, world: int, device) -> None:
         torch.testing.assert_close(mine, whole[:, positions])
         torch.testing.assert_close(unshard_sequence(mine, dim=1, layout=layout), whole)
     lengths = [0, 6 * world, 2 * world, 0, 10 * world]
-    cu = _cu_seqlens(lengths, device)
+    cu = cu_seqlens(lengths, device)
     whole = torch.arange(int(cu[-1]), device=device)
     mine = shard_packed(whole, cu)
     assert torch.equal(unshard_packed(mine, cu), whole)
@@ -650,7 +644,7 @@ def _check_captured(rank: int, world: int, device) -> None:
         return torch.randn(shape, device=device, generator=generator)
 
     def cumulative(units):  # lengths of 2 world rows each unit
-        return _cu_seqlens([2 * world * n for n in units], device)
+        return cu_seqlens([2 * world * n for n in units], device)
 
     def documents(length):
         return (randn(1, length) > 1.0).int().cumsum(-1).int()  # a new document at about 1 in 6 positions

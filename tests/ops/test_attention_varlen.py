@@ -41,9 +41,9 @@ CHECK_VARLEN = "TILEGYM_CHECK_VARLEN"
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def cu_seqlens(lengths) -> torch.Tensor:
+def cu_seqlens(lengths, device=DEVICE) -> torch.Tensor:
     """int32 cumulative lengths from 0, as flash_attn_varlen_func takes them."""
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
