@@ -1558,6 +1558,50 @@ def test_op_dropout_reaches_the_kernels(monkeypatch, packed, compiled):
     assert not torch.equal(*seeds), "each run draws a new seed"
 
 
+def test_op_dropout_rates_and_their_scale():
+    """The rate is rounded to a multiple of 2^-16; the kept probabilities' scale is the exact
+    inverse of the keep probability, at most 2^15 (a float16 one stays finite); a rate above
+    1 - 2^-15 is refused naming dropout_p."""
+    from tilegym.ops.attention import dropout
+
+    assert dropout.threshold(0.1) == 6554 and dropout.kept_scale(0.1) == 65536 / (65536 - 6554)
+    assert dropout.check_rate(dropout.max_rate()) == dropout.max_rate() == 1 - 2**-15
+    assert dropout.kept_scale(dropout.max_rate()) == 2**15
+    for rate in (dropout.max_rate() + 2**-16, 0.99999):
+        with pytest.raises(ValueError, match="dropout_p must be at most"):
+            dropout.check_rate(rate)
+
+
+def test_op_dropout_masks_look_random():
+    """The kernels' mask, as reference.dropout_kept computes it: the kept share of the whole and
+    of rows and columns as a binomial's, no correlation between neighbours (keys j and j + 8
+    share a hash), and heads, sequences and seeds each with a mask of their own."""
+    from tilegym.ops.attention.reference import dropout_kept
+
+    rate, heads, size = 0.3, 4, 512
+    seed = torch.tensor([123456789, 987654321], dtype=torch.int32)
+    kept = dropout_kept(seed, rate, 2, heads, size, size).double()  # [2, heads, size, size]
+    assert abs(kept.mean().item() - (1 - rate)) < 5 * math.sqrt(rate * (1 - rate) / kept.numel())
+    for axis in (-1, -2):
+        z = (kept.mean(axis) - (1 - rate)) / math.sqrt(rate * (1 - rate) / size)
+        assert 0.85 < z.std().item() < 1.15, axis
+    centred = kept - kept.mean()
+    variance = (centred * centred).mean()
+    neighbours = {
+        "key + 1": (centred[..., 1:], centred[..., :-1]),
+        "key + 8 (one hash)": (centred[..., 8:], centred[..., :-8]),
+        "key + 16": (centred[..., 16:], centred[..., :-16]),
+        "row + 1": (centred[..., 1:, :], centred[..., :-1, :]),
+        "diagonal": (centred[..., 1:, 1:], centred[..., :-1, :-1]),
+        "next head": (centred[:, 1:], centred[:, :-1]),
+        "next sequence": (centred[1:], centred[:-1]),
+    }
+    for name, (a, b) in neighbours.items():
+        assert abs(((a * b).mean() / variance).item()) < 0.01, name
+    other_seed = dropout_kept(seed + 1, rate, 2, heads, size, size).double()
+    assert abs((((other_seed - other_seed.mean()) * centred).mean() / variance).item()) < 0.01
+
+
 def test_op_closures_run_at_a_graph_break_under_torch_compile():
     """torch.compile's guards tell functions apart by their code object alone, so only functions
     that close over nothing pass through the operators by key (the ready-made ones are such

@@ -194,7 +194,8 @@ def tile_fmha_with_backward(
     """Attention output for training, differentiable with respect to q, k, v, attn_bias and
     sinks; arguments as tile_fmha.
 
-    dropout_p: attention dropout's rate in [0, 1) (the module's docstring); 0: none.
+    dropout_p: attention dropout's rate in [0, 1 - 2^-15], rounded to a multiple of 2^-16 (the
+    module's docstring); 0: none.
 
     return_lse: return ``(out, lse)``, gradients flowing from both. lse is the natural log of each
     row's softmax denominator, ``[B, Hq, Sq]`` float32 (float64 for float64 inputs), -inf for a
@@ -274,7 +275,7 @@ def tile_fmha_varlen(
         alibi_slopes: float32 ``[Hq]`` or ``[N, Hq]`` (one row per sequence).
         return_lse: return ``(out, lse)``, lse ``[Hq, total_q]`` float32 (float64 for float64
             inputs), natural log, gradients flowing from both.
-        dropout_p: attention dropout's rate in [0, 1), as tile_fmha_with_backward (rows and
+        dropout_p: attention dropout's rate, as tile_fmha_with_backward (rows and
             columns of its mask count within each sequence).
 
     Returns:

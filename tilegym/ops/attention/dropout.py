@@ -16,28 +16,37 @@ from tilegym.ops.attention.score_mods import ModTensors
 
 
 def check_rate(dropout_p) -> float:
-    """dropout_p as a float in [0, 1), or an error naming it."""
+    """dropout_p as a float in [0, max_rate()], or an error naming it."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     rate = float(dropout_p)
     if not 0.0 <= rate < 1.0:
         # 1 drops every probability: the output would be 0 / 0.
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if round(rate * _levels()) > _levels() - 2:
+        # Kept probabilities are scaled by 1 / (1 - rate) in the inputs' dtype: at most 2^15,
+        # so that a float16 one stays finite.
+        raise ValueError(f"dropout_p must be at most {max_rate()} (1 - 2^-15), got {dropout_p!r}")
     return rate
 
 
 def _levels() -> int:
-    """How many values the hash's bits that the kernels compare take (kernels/dropout.py's
+    """How many values the hash's bits that decide a probability take (kernels/dropout.py's
     KEPT_BITS; imported here, on first use, so that this module loads without cuTile)."""
     from tilegym.ops.attention.kernels.dropout import KEPT_BITS
 
     return 1 << KEPT_BITS
 
 
+def max_rate() -> float:
+    """The largest rate check_rate takes."""
+    return (_levels() - 2) / _levels()
+
+
 def threshold(rate: float) -> int:
-    """The kernels' threshold: a probability is dropped where its hash's compared bits are below it."""
-    levels = _levels()
-    return min(round(rate * levels), levels - 1)
+    """The kernels' threshold: a probability is dropped where its hash's deciding bits are below
+    it. The rate is rounded to the nearest multiple of 1 / _levels()."""
+    return round(rate * _levels())
 
 
 def kept_scale(rate: float) -> float:

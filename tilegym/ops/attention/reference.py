@@ -146,9 +146,13 @@ def dropout_kept(seed, rate: float, batch: int, heads: int, seqlen_q: int, seqle
     stream = _mix32(stream ^ high)
     stream = _mix32((stream + _times(sequences, device.SEQUENCE_STEP)) & _WORD)  # [B, H, 1, 1]
     rows = _times(torch.arange(seqlen_q, dtype=torch.int64).reshape(1, 1, -1, 1), device.ROW_STEP)
-    cols = _times(torch.arange(seqlen_k, dtype=torch.int64).reshape(1, 1, 1, -1), device.COLUMN_STEP)
-    hashed = _mix32(_mix32(stream ^ rows) ^ cols)
-    return (hashed >> (32 - device.KEPT_BITS)) >= dropout.threshold(rate)
+    cols = torch.arange(seqlen_k, dtype=torch.int64).reshape(1, 1, 1, -1)
+    span = device.PAIR_SPAN
+    pairs = ((cols // (2 * span)) * span) | (cols % span)  # keys j and j + 8 of a block of 16
+    hashed = _mix32(((stream + rows) & _WORD) ^ _times(pairs, device.COLUMN_STEP))
+    bits = device.KEPT_BITS
+    half = torch.where((cols // span) % 2 == 1, hashed >> bits, hashed & ((1 << bits) - 1))
+    return half >= dropout.threshold(rate)
 
 
 def _indices(shape, device) -> tuple:

@@ -8,7 +8,7 @@ transpose of the forward's, so that dK and dV accumulate as [block_n, block_d] r
 import cuda.tile as ct
 
 from tilegym.kernel_cache import CachedKernel
-from tilegym.ops.attention.kernels.dropout import dropout_of, dropped_scaled, kept_or_none
+from tilegym.ops.attention.kernels.dropout import dropout_of, dropped_cast, kept_gradient, kept_scaled
 from tilegym.ops.attention.kernels.head import (
     add_head,
     head_dot,
@@ -271,16 +271,19 @@ def _dkdv_step(tile, q_tile, state, masked: ConstBool):
         probs_t = exp2(scores_log2(scores_t, scoring) - lse)
     if masked:
         probs_t = ct.where(visible(rows, tile.cols, scoring), probs_t, 0.0)
-    kept_t = kept_or_none(scoring.dropout, rows, tile.cols)
     # See the second load of Q below; masked steps (few) keep one load: with two, the causal
     # kernel spilled a register.
     reload_q = tile.sum_dq and not masked
+    # dV's operand. With dropout it is made here even where dV comes later or not at all: dP's
+    # mask is read back from it (kept_gradient).
+    probs_v_t = 0
+    if (sums_dv and not reload_q) or scoring.dropout.on:
+        probs_v_t = dropped_cast(probs_t, scoring.dropout, rows, tile.cols, d_out.main.dtype)
     if sums_dv and not reload_q:
-        probs_v_t = dropped_scaled(probs_t, scoring.dropout, kept_t).astype(d_out.main.dtype)
         d_value = head_product(probs_v_t, d_out, d_value, tiling.value)  # [block_n, Dv]
     state = KeyState(state.d_key, d_value, state.d_bias_row, state.pending_dq, q_tile)
     if sums_dk:
-        step = QueryStep(q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t, kept_t)
+        step = QueryStep(q_tile, q, d_out, delta, rows, scores_t, capped_tanh_t, natural_t, probs_t, probs_v_t)
         state = _dk_share(tile, step, state, reload_q)
     return state
 
@@ -297,7 +300,7 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
     d_key, d_value, d_bias_row, pending_dq = state.d_key, state.d_value, state.d_bias_row, state.pending_dq
     acc_dtype = probs_t.dtype
     d_probs_t = head_dot(tile.v, d_out, ct.zeros((block_n, block_m), acc_dtype), tiling.value)  # [block_n, block_m]
-    d_probs_t = dropped_scaled(d_probs_t, scoring.dropout, step.kept)
+    d_probs_t = kept_gradient(d_probs_t, scoring.dropout, step.probs_v)
     d_scores_t = probs_t * (d_probs_t - step.delta)  # [block_n, block_m]
     # The bias's gradient is that of the scores it is added to: back through the caller's
     # score_mod, applied after it, and not through the softcap, applied before (raw_gradient).
@@ -322,7 +325,9 @@ def _dk_share(tile, step, state, reload_q: ConstBool):
         q_again = load_head(tile.Q, b, q_head, q_tile, block_m, tiling.qk)
         d_key = head_product(d_scores_t, q_again, d_key, tiling.qk)
         if tile.sums_dv:
-            probs_v_t = dropped_scaled(probs_t, scoring.dropout, step.kept).astype(d_out.main.dtype)
+            probs_v_t = step.probs_v
+            if not scoring.dropout.on:
+                probs_v_t = probs_t.astype(d_out.main.dtype)  # cast here, as late as it is used
             d_value = head_product(probs_v_t, d_out, d_value, tiling.value)
     else:
         d_key = head_product(d_scores_t, q, d_key, tiling.qk)  # [block_n, D]
@@ -655,8 +660,7 @@ def _dq_step(tile, kv_tile, d_query, masked: ConstBool):
     if masked:
         probs = ct.where(visible(tile.rows, cols, scoring), probs, 0.0)
     d_probs = head_dot(tile.d_out, v, ct.zeros((tiling.block_m, tiling.block_n), acc_dtype), tiling.value)
-    kept_mask = kept_or_none(scoring.dropout, tile.rows, tile_columns(kv_tile, tiling.block_n))
-    d_probs = dropped_scaled(d_probs, scoring.dropout, kept_mask)
+    d_probs = kept_scaled(d_probs, scoring.dropout, tile.rows, tile_columns(kv_tile, tiling.block_n))
     d_scores = raw_gradient(probs * (d_probs - tile.delta), capped_tanh, natural, step_scores, tile.rows, cols, scoring)
     return head_product(d_scores.astype(k.main.dtype), k, d_query, tiling.qk)
 

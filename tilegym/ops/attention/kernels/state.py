@@ -160,7 +160,7 @@ class Dropout:
 
     on: Value  # compile-time: the kernel drops probabilities
     stream: Value  # uint32 [1, 1]: the hash of the seed, the sequence and the query head
-    threshold: Value  # int32: a probability is dropped where its 24-bit hash is below it
+    threshold: Value  # int32: a probability is dropped where its 16-bit half of a hash is below it
     scale: Value  # 1 / (1 - rate), in the accumulator dtype
 
 
@@ -236,7 +236,7 @@ class QueryStep:
     capped_tanh: Value
     natural: Value
     probs: Value  # P^T
-    kept: Value  # dropout.kept of P^T, or 0 without dropout
+    probs_v: Value  # dV's operand, dropout.dropped_cast of P^T; 0 where dV is not summed, without dropout
 
 
 @dataclass(frozen=True)
