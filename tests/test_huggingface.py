@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from tests.ops.attention_cases import rms_error  # noqa: E402
 from tests.ops.conftest import requires_cuda  # noqa: E402
 from tilegym.integrations import huggingface  # noqa: E402
-from tilegym.ops.attention.reference import attention_reference  # noqa: E402
+from tilegym.ops.attention.reference import attention_reference, dropout_kept  # noqa: E402
 
 VOCAB = 97
 _COMMON = {
@@ -323,6 +323,72 @@ def test_op_huggingface_models(family, scenario):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_op_huggingface_decoding(family):
     _compare_decoding(family, torch.float32, "cuda", 2e-3)
+
+
+@requires_cuda
+@pytest.mark.parametrize("scenario", ["plain", "packed-position-ids"])
+def test_op_huggingface_training_with_dropout(scenario, monkeypatch):
+    """A training step of a model with attention dropout on the kernels against the same model on
+    the float64 reference attention given the kernels' masks (each layer's call a seed of its
+    own, in order): logits and every parameter's gradient. In eval the dropout is off."""
+    from tilegym.ops.attention import dropout
+
+    config = _config("llama")
+    config.attention_dropout = 0.3
+    huggingface.register()
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=huggingface.NAME)
+    ours = ours.to(device="cuda", dtype=torch.float32).train()
+    inputs, valid = _batch(scenario, "cuda")
+    weights = torch.randn(*valid.shape, VOCAB, device="cuda")
+    seeds = [torch.tensor([101 + 2 * n, 202 + 3 * n], dtype=torch.int32) for n in range(config.num_hidden_layers)]
+    drawn = iter(seeds)
+    monkeypatch.setattr(dropout, "new_seed", lambda device: next(drawn).to(device))
+
+    def step():
+        logits = ours(**inputs).logits
+        return logits, torch.autograd.grad((logits * weights).sum(), list(ours.parameters()))
+
+    mine, my_grads = step()
+    assert next(drawn, None) is None, "one seed per layer"
+
+    calls = iter(seeds)
+
+    def reference(q, k, v, scaling=None, is_causal=True, *, dropout_p, window_size, softcap, sinks, **packing):
+        """The reference on the kernels' mask of the layer's seed; a packed batch one sequence at a time."""
+        assert (window_size, softcap, sinks) == (None, None, None) and is_causal
+        assert set(packing) in (set(), {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"})
+        seed = next(calls)
+        if not packing:
+            batch, heads, seqlen_q, _ = q.shape
+            kept = dropout_kept(seed, dropout_p, batch, heads, seqlen_q, k.shape[2]).cuda()
+            out, _ = attention_reference(q, k, v, scaling, is_causal, dropout_kept=kept,
+                                         dropout_scale=dropout.kept_scale(dropout_p))  # fmt: skip
+            return out.to(q.dtype)
+        bounds = packing["cu_seqlens_q"].tolist()
+        pieces = []
+        for number, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            one = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, length, D]
+            kept = dropout_kept(seed, dropout_p, 1, q.shape[1], end - start, end - start, first_sequence=number)
+            out, _ = attention_reference(*one, scaling, is_causal, dropout_kept=kept.cuda(),
+                                         dropout_scale=dropout.kept_scale(dropout_p))  # fmt: skip
+            pieces.append(out[0].transpose(0, 1))
+        return torch.cat(pieces).to(q.dtype)
+
+    monkeypatch.setattr(huggingface, "tile_fmha_functional", reference)
+    theirs, their_grads = step()
+    assert _relative_rms(mine[valid], theirs[valid]) < 2e-3
+    for (name, _), mine_grad, their_grad in zip(ours.named_parameters(), my_grads, their_grads, strict=True):
+        assert _relative_rms(mine_grad, their_grad) < 5e-3, name
+
+    monkeypatch.undo()
+    with torch.no_grad():
+        evaluated = ours.eval()(**inputs).logits
+        config_without = _config("llama")
+        plain = transformers.AutoModelForCausalLM.from_config(config_without, attn_implementation="eager")
+        plain.load_state_dict(ours.state_dict())
+        expected = plain.to(device="cuda", dtype=torch.float32).eval()(**inputs).logits
+    assert _relative_rms(evaluated[valid], expected[valid]) < 2e-3
 
 
 @requires_cuda
