@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tilegym import tile_fmha_with_backward
 
-SHAPES = ((128, True), (128, False), (64, True))
+SHAPES = ((128, True), (128, False), (64, True), (64, False))
 SEQLEN = 4096
 
 
