@@ -236,7 +236,9 @@ class QueryStep:
     capped_tanh: Value
     natural: Value
     probs: Value  # P^T
-    probs_v: Value  # dV's operand, dropout.dropped_cast of P^T; 0 where dV is not summed, without dropout
+    # dV's operand, dropout.dropped_cast of P^T, where made before dP: always with dropout (dP's
+    # mask), else where dV is summed before dK; 0 otherwise
+    probs_v: Value
 
 
 @dataclass(frozen=True)
