@@ -19,9 +19,9 @@ import torch.multiprocessing as mp
 from tests.ops.attention_cases import assert_close_to_reference, reference_run
 from tests.ops.conftest import requires_cuda  # also: tests use each table's first config
 from tests.ops.test_attention_varlen import cu_seqlens
-from tilegym.ops.attention import score_functions
+from tilegym.ops.attention import dropout, score_functions
 from tilegym.ops.attention.block_mask import create_block_mask
-from tilegym.ops.attention.reference import attention_reference
+from tilegym.ops.attention.reference import attention_reference, dropout_kept
 from tilegym.parallel import (
     SequenceSharding,
     context,
@@ -56,6 +56,7 @@ class CpCase:
     extra: dict = field(default_factory=dict)
     functions: str | None = None  # a case of _functions: relative, alibi, documents, documents-block
     bias: str | None = None  # "pairs": [Hq, S, S] with its gradient; "keys": [B, 1, 1, S]
+    dropout: float = 0.0
 
     def __str__(self):
         return self.why
@@ -79,6 +80,9 @@ CASES = [
     CpCase("contiguous-full-alibi-function", "contiguous", 36, causal=False, functions="alibi"),
     CpCase("zigzag-window-learned-bias", "zigzag", 26, window_size=(30, 0), bias="pairs"),  # views from key 0 on
     CpCase("contiguous-full-key-bias", "contiguous", 40, causal=False, batch=2, bias="keys"),
+    CpCase("zigzag-causal-gqa-dropout", "zigzag", 37, dropout=0.3),
+    CpCase("contiguous-full-dropout", "contiguous", 45, causal=False, batch=2, dropout=0.2),
+    CpCase("zigzag-window-sinks-dropout", "zigzag", 40, window_size=(50, 0), sinks=True, dropout=0.25),
     CpCase("one-position-chunks", "zigzag", 1),
     CpCase("empty-sequence", "zigzag", 0),
 ]
@@ -227,6 +231,11 @@ def _reference_functional(q, k, v, scaling=None, is_causal=True, training=None, 
     packed (cu_seqlens_q, ...), sequence by sequence."""
     assert return_lse and isinstance(training, bool)
     kwargs = {name: value for name, value in kwargs.items() if value is not None}
+    rate = kwargs.pop("dropout_p", 0.0)
+    if rate:  # the chunk's rows of the whole sequence's mask (its seed's first row)
+        seed = dropout.call_seed(q.device)
+        kept = dropout_kept(seed, rate, q.shape[0], q.shape[1], q.shape[2], k.shape[2]).to(q.device)
+        kwargs.update(dropout_kept=kept, dropout_scale=dropout.kept_scale(rate))
     functions = _split_functions(kwargs)
     if functions:
         kwargs["score_mod"] = _unwrapped_twin(functions)
@@ -280,6 +289,8 @@ def _inputs(case: CpCase, length: int, dtype, device):
     d_out = draw(case.batch, case.q_heads, length, case.value_dim)
     d_lse = draw(case.batch, case.q_heads, length, scale=0.5)
     kwargs = dict(case.extra)
+    if case.dropout:
+        kwargs["dropout_p"] = case.dropout
     if case.window_size is not None:
         kwargs["window_size"] = case.window_size
     if case.softcap is not None:
@@ -322,9 +333,25 @@ def _function_reference(q, k, v, d_out, d_lse, causal: bool, kwargs: dict, cu: l
     return out, lse, grads
 
 
+def _rank_seed(rank: int, device) -> torch.Tensor:
+    """A dropout seed of its own per rank: context parallelism must use rank 0's on every rank."""
+    return torch.tensor([1000 + 7 * rank, 2000 + 11 * rank, 0, 0], dtype=torch.int32, device=device)
+
+
+def _with_mask(kwargs: dict, length: int, case: CpCase, device) -> dict:
+    """kwargs for the reference: dropout_p as the whole sequence's mask from rank 0's seed."""
+    kwargs = dict(kwargs)
+    rate = kwargs.pop("dropout_p", 0.0)
+    if rate:
+        kept = dropout_kept(_rank_seed(0, "cpu"), rate, case.batch, case.q_heads, length, length).to(device)
+        kwargs.update(dropout_kept=kept, dropout_scale=dropout.kept_scale(rate))
+    return kwargs
+
+
 def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
     sharding = SequenceSharding(case.layout, world, case.chunk * (2 * world if case.layout == "zigzag" else world))
     (q, k, v, d_out, d_lse), kwargs = _inputs(case, sharding.length, dtype, device)
+    dropout.new_seed = lambda on: _rank_seed(rank, on)
 
     def share(t, dim=2):
         return sharding.shard(t, rank, dim)
@@ -349,7 +376,8 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
     if case.functions:
         ref_out, ref_lse, ref_grads = _function_reference(q, k, v, d_out, d_lse, case.causal, kwargs)
     else:
-        ref_out, ref_lse, ref_grads = reference_run(q, k, v, d_out, case.causal, kwargs, torch.float64, d_lse=d_lse)
+        ref_kwargs = _with_mask(kwargs, sharding.length, case, device)
+        ref_out, ref_lse, ref_grads = reference_run(q, k, v, d_out, case.causal, ref_kwargs, torch.float64, d_lse=d_lse)
     ours = {"out": out, "lse": lse}
     expected = {"out": share(ref_out), "lse": share(ref_lse)}
     if case.training:
@@ -366,7 +394,8 @@ def _check_case(case: CpCase, rank: int, world: int, dtype, device) -> None:
         for name, value in ours.items():
             torch.testing.assert_close(value, expected[name].to(value.dtype), rtol=1e-9, atol=1e-9, msg=name)
         return
-    baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs)
+    with dropout.drawn_as(_rank_seed(0, device)):
+        baseline = _one_gpu_run(case, (q, k, v, d_out, d_lse), kwargs)
     for name, value in ours.items():
         base = baseline[name] if name in _WHOLE_GRADIENTS else share(baseline[name])
         assert_close_to_reference(f"{case}: {name}", value, base, expected[name], dtype)
@@ -858,6 +887,8 @@ def _arguments(**changes):
         ({"score_mod": _relative_twin, "aux": (torch.ones(1),) * 4}, ValueError, "at most 3"),
         ({"mask_mod": "documents"}, TypeError, "mask_mod must be a Python function"),
         ({"aux": (torch.ones(1),)}, ValueError, "aux and mask_aux need score_mod or mask_mod"),
+        ({"dropout_p": 1.0}, ValueError, "dropout_p must be in"),
+        ({"dropout_p": 0.1, "training": False}, ValueError, "dropout applies to training calls only"),
         ({}, ValueError, "CUDA tensor"),  # the kernels' own checks, before the collective
     ],
 )  # fmt: skip

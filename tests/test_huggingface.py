@@ -341,7 +341,7 @@ def test_op_huggingface_training_with_dropout(scenario, monkeypatch):
     ours = ours.to(device="cuda", dtype=torch.float32).train()
     inputs, valid = _batch(scenario, "cuda")
     weights = torch.randn(*valid.shape, VOCAB, device="cuda")
-    seeds = [torch.tensor([101 + 2 * n, 202 + 3 * n], dtype=torch.int32) for n in range(config.num_hidden_layers)]
+    seeds = [torch.tensor([101 + 2 * n, 202 + 3 * n, 0, 0], dtype=torch.int32) for n in range(config.num_hidden_layers)]
     drawn = iter(seeds)
     monkeypatch.setattr(dropout, "new_seed", lambda device: next(drawn).to(device))
 

@@ -19,6 +19,7 @@ from tests.ops.conftest import requires_cuda  # noqa: E402
 from tests.test_context_parallel import _reference_functional  # noqa: E402
 from tests.test_huggingface import VOCAB, _models, _relative_rms  # noqa: E402
 from tilegym.integrations import huggingface  # noqa: E402
+from tilegym.ops.attention import dropout  # noqa: E402
 from tilegym.parallel import context, packed, packed_positions, sequence_positions, shard_packed  # noqa: E402
 
 WORLD = 2
@@ -92,12 +93,52 @@ def _compare_loss(ours, eager, inputs, ids, share, tolerance) -> None:
     assert abs(total.item() - expected.item()) <= tolerance * abs(expected.item()), (total.item(), expected.item())
 
 
+def _compare_dropout(rank: int, device, on_gpu: bool, tolerance: float) -> None:
+    """A model with attention dropout in training under context_parallel against the same model
+    on the whole sequence, both drawing the same seeds (one per layer, in order): the chunks
+    draw their rows of the whole sequence's masks. Logits, and gradients summed over the ranks."""
+    from tests.test_huggingface import _config
+
+    config = _config("llama")
+    config.attention_dropout = 0.3
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=huggingface.NAME)
+    model = model.to(device=device, dtype=torch.float32).train()
+    inputs, (ids,), share = _whole_and_share("llama", "sequences", rank, device)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn((*ids.shape, VOCAB), generator=torch.Generator().manual_seed(5)).to(device)
+
+    def step(run):
+        seeds = iter([torch.tensor([31 + n, 47 + n, 0, 0], dtype=torch.int32) for n in range(config.num_hidden_layers)])
+        dropout.new_seed = lambda on: next(seeds).to(on)
+        logits = run()
+        assert next(seeds, None) is None, "one seed per layer"
+        return logits
+
+    whole = step(lambda: model(input_ids=ids, use_cache=False).logits)
+    whole_grads = torch.autograd.grad((whole * weights).sum(), parameters)
+    with huggingface.context_parallel():
+        mine = step(lambda: model(**inputs).logits)
+    my_grads = torch.autograd.grad((mine * share(weights)).sum(), parameters, allow_unused=True)
+    assert _relative_rms(mine, share(whole)) < tolerance
+    for mine_grad, whole_grad in zip(my_grads, whole_grads, strict=True):
+        mine_grad = torch.zeros_like(whole_grad) if mine_grad is None else mine_grad.contiguous()
+        dist.all_reduce(mine_grad)
+        assert _relative_rms(mine_grad, whole_grad) < 2 * tolerance
+
+
+def _whole_reference(q, k, v, scaling=None, is_causal=True, **kwargs):
+    """tile_fmha_functional's meaning for a layer's call on the whole sequence (the CPU stand-in)."""
+    return _reference_functional(q, k, v, scaling, is_causal, True, return_lse=True, **kwargs)[0]
+
+
 def _worker(rank: int, init_file: str, on_gpu: bool) -> None:
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if not on_gpu:
         for module in (context, packed):
             module.tile_fmha_functional = _reference_functional
         context.check_inputs = packed.check_packed_inputs = lambda *args, **kwargs: None
+        huggingface.tile_fmha_functional = _whole_reference
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         for family in FAMILIES:
@@ -106,6 +147,7 @@ def _worker(rank: int, init_file: str, on_gpu: bool) -> None:
                     _compare(family, scenario, rank, torch.float32, device, 2e-3, 5e-3)
                 else:
                     _compare(family, scenario, rank, torch.float32, device, 1e-5, 1e-4)
+        _compare_dropout(rank, device, on_gpu, 2e-3 if on_gpu else 1e-6)
     finally:
         dist.destroy_process_group()
 
@@ -135,6 +177,10 @@ def test_refusals_under_context_parallel():
                 batch_size=1, cache_position=torch.arange(4), kv_length=4, attention_mask=padding
             )
         assert huggingface.attention_mask(batch_size=1, cache_position=torch.arange(4), kv_length=4) is None
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        with pytest.raises(ValueError, match="attention dropout .* on packed sequences"):
+            huggingface.attention_forward(module, q, q, q, None, dropout=0.1, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                          max_length_q=4, max_length_k=4)  # fmt: skip
     assert not huggingface._CONTEXT_PARALLEL  # left on the way out
     with pytest.raises(ValueError, match="layout"), huggingface.context_parallel(layout="ring"):
         pass

@@ -1552,7 +1552,7 @@ def test_op_dropout_reaches_the_kernels(monkeypatch, packed, compiled):
         assert all(on == bool(rate) for _, on, _ in found), rate
         if rate:
             first = found[0][2]
-            assert first.dtype == torch.int32 and tuple(first.shape) == (2,)
+            assert first.dtype == torch.int32 and tuple(first.shape) == (4,)
             assert all(torch.equal(seed, first) for _, _, seed in found), "the backward reuses the forward's seed"
             seeds.append(first.clone())
     assert not torch.equal(*seeds), "each run draws a new seed"
@@ -1572,6 +1572,30 @@ def test_op_dropout_rates_and_their_scale():
             dropout.check_rate(rate)
 
 
+def test_op_dropout_seeds_and_first_rows():
+    """A new seed: two drawn words, then first row 0 and a zero; drawn_as gives every call within
+    it one seed (restored on the way out); with_first_row's seed draws those rows of the whole
+    mask; a seed of another shape is refused."""
+    from tilegym.ops.attention import dropout
+    from tilegym.ops.attention.reference import dropout_kept
+
+    seed = dropout.new_seed(torch.device("cpu"))
+    assert seed.dtype == torch.int32 and tuple(seed.shape) == (4,) and seed[2:].tolist() == [0, 0]
+    assert 0 <= seed.min().item() and seed.max().item() < 2**31
+    given = torch.tensor([5, 6, 0, 0], dtype=torch.int32)
+    with dropout.drawn_as(given):
+        assert dropout.call_seed(torch.device("cpu")) is given
+        with dropout.drawn_as(dropout.with_first_row(given, 3)):
+            assert dropout.call_seed(torch.device("cpu")).tolist() == [5, 6, 3, 0]
+        assert dropout.call_seed(torch.device("cpu")) is given
+    assert dropout.call_seed(torch.device("cpu")) is not given and given.tolist() == [5, 6, 0, 0]
+    whole = dropout_kept(given, 0.4, 2, 3, 120, 90)
+    rows = dropout_kept(dropout.with_first_row(given, 37), 0.4, 2, 3, 50, 90)
+    assert torch.equal(rows, whole[:, :, 37:87])
+    with pytest.raises(ValueError, match="dropout_seed must be an int32 tensor of shape"):
+        dropout.check_seed(given[:2], torch.device("cpu"))
+
+
 def test_op_dropout_masks_look_random():
     """The kernels' mask, as reference.dropout_kept computes it: the kept share of the whole and
     of rows and columns as a binomial's, no correlation between neighbours (keys j and j + 8
@@ -1579,7 +1603,7 @@ def test_op_dropout_masks_look_random():
     from tilegym.ops.attention.reference import dropout_kept
 
     rate, heads, size = 0.3, 4, 512
-    seed = torch.tensor([123456789, 987654321], dtype=torch.int32)
+    seed = torch.tensor([123456789, 987654321, 0, 0], dtype=torch.int32)
     kept = dropout_kept(seed, rate, 2, heads, size, size).double()  # [2, heads, size, size]
     assert abs(kept.mean().item() - (1 - rate)) < 5 * math.sqrt(rate * (1 - rate) / kept.numel())
     for axis in (-1, -2):
@@ -1598,7 +1622,7 @@ def test_op_dropout_masks_look_random():
     }
     for name, (a, b) in neighbours.items():
         assert abs(((a * b).mean() / variance).item()) < 0.01, name
-    other_seed = dropout_kept(seed + 1, rate, 2, heads, size, size).double()
+    other_seed = dropout_kept(seed + torch.tensor([1, 1, 0, 0], dtype=torch.int32), rate, 2, heads, size, size).double()
     assert abs((((other_seed - other_seed.mean()) * centred).mean() / variance).item()) < 0.01
 
 

@@ -24,7 +24,7 @@ from tilegym.ops.attention.reference import dropout_kept
 
 pytestmark = requires_cuda
 
-SEED = (1234567, 89101112)
+SEED = (1234567, 89101112, 0, 0)  # two words of seed, the first row, a zero (dropout.new_seed)
 
 
 @pytest.fixture
@@ -128,6 +128,14 @@ def test_op_dropout_packed(causal, backward, head_dim, fixed_seed, monkeypatch):
     varlen_tests.check(batch, causal, {"dropout_p": rate}, per_sequence=per_sequence)
 
 
+def test_op_dropout_at_a_first_row(monkeypatch):
+    """A call whose seed names a first row (context parallelism's chunks: dropout.with_first_row)
+    draws those rows of the sequence's mask: 77 queries from row 100 against 300 keys."""
+    seed = torch.tensor((*SEED[:2], 100, 0), dtype=torch.int32)
+    monkeypatch.setattr(dropout, "new_seed", lambda device: seed.to(device))
+    check_dense(Case("first-row", 1, 4, 2, 77, 300, 64), torch.bfloat16, False, 0.3, seed)
+
+
 def test_op_dropout_masks_per_call_and_seed():
     """Two calls draw different masks; torch.cuda.manual_seed repeats one bit for bit; rate 0 is
     the plain call."""
@@ -210,7 +218,7 @@ def test_op_dropout_in_a_cuda_graph(monkeypatch):
         return (out, *torch.autograd.grad(out, (q, k, v), d_out))
 
     graph, results = capture_training_step(step, [])
-    for words in ((11, 22), (33, 44)):
+    for words in ((11, 22, 0, 0), (33, 44, 0, 0)):
         seed.copy_(torch.tensor(words, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()

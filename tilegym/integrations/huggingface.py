@@ -130,19 +130,14 @@ def attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     modifiers = {"softcap": softcap, "sinks": s_aux}
     packing = _given_packing(kwargs, query.shape[0])
+    # transformers passes the module's rate in training and 0 in eval.
+    modifiers["dropout_p"] = dropout
     if _CONTEXT_PARALLEL:
-        if dropout:
-            raise ValueError(
-                f"attention dropout ({dropout}) is not supported under context_parallel(); set the model's "
-                "attention dropout to 0 (e.g. config.attention_dropout = 0.0)"
-            )
         parallel = _CONTEXT_PARALLEL[-1]
         out = _context_parallel(
             parallel, query, key, value, attention_mask, scaling, causal, sliding_window, modifiers, packing
         )
         return out, None
-    # transformers passes the module's rate in training and 0 in eval.
-    modifiers["dropout_p"] = dropout
     if packing is None and attention_mask is not None and not torch.compiler.is_compiling():
         # Sequences packed by position_ids: transformers made a mask of the whole row; where it
         # is exactly the packing's own, the packed kernels compute the same, with no mask to read.
@@ -195,6 +190,12 @@ def _context_parallel(
         )
     window = _window(sliding_window, causal)
     if packing is not None:
+        rate = modifiers.pop("dropout_p")
+        if rate:
+            raise ValueError(
+                f"attention dropout ({rate}) is not supported under context_parallel() on packed sequences; "
+                "set the model's attention dropout to 0 (e.g. config.attention_dropout = 0.0)"
+            )
         same = packing.cu_seqlens_k is packing.cu_seqlens_q or torch.equal(packing.cu_seqlens_k, packing.cu_seqlens_q)
         if not same:
             raise ValueError("context_parallel computes self-attention: cu_seq_lens_k must equal cu_seq_lens_q")

@@ -1,5 +1,6 @@
-"""The collectives of context parallelism: the all-gather of every rank's keys and values and
-the reduce-scatter of their gradients (each rank's share, summed over the ranks that used it)."""
+"""The collectives of context parallelism: the all-gather of every rank's keys and values, the
+reduce-scatter of their gradients (each rank's share, summed over the ranks that used it), and
+the broadcast of a call's dropout seed."""
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,13 @@ def all_gather(local: torch.Tensor, group) -> torch.Tensor:
     if local.numel():  # every rank's share has one shape: all skip an empty one alike
         _all_gather_single(gathered, local, group=group)
     return gathered
+
+
+def broadcast(tensor: torch.Tensor, group) -> torch.Tensor:
+    """tensor, filled with the group's rank 0's values (in place)."""
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return tensor
 
 
 def reduce_scatter(gathered: torch.Tensor, group) -> torch.Tensor:

@@ -16,15 +16,17 @@ chunk of queries at positions [a, b) is given the keys [0, b) (or from a - left 
 and query a + i then sees exactly the keys up to a + i.
 """
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from tilegym.ops.attention import dropout
 from tilegym.ops.attention.api import tile_fmha_functional
 from tilegym.ops.attention.problem import check_inputs
 from tilegym.ops.attention.score_mods import check_bias
-from tilegym.parallel.collectives import all_gather, gradient_buffer, reduce_scatter, world_of
+from tilegym.parallel.collectives import all_gather, broadcast, gradient_buffer, reduce_scatter, world_of
 from tilegym.parallel.functions import ChunkFunctions, WholeSizes, dense_offsets
 from tilegym.parallel.sharding import SequenceSharding, Span
 
@@ -55,6 +57,7 @@ def context_parallel_attention(
     mask_mod: Callable | None = None,
     mask_aux: tuple[Tensor, ...] | None = None,
     block_mask=None,
+    dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one sequence split along its positions over the ranks of group, on each
     rank its share; differentiable in q, k, v, attn_bias, sinks and aux tensors that require grad.
@@ -82,6 +85,9 @@ def context_parallel_attention(
             mask_aux tensors (a slot carries each call's positions). block_mask: one made for the
             whole sequence (``[B or 1, Hq or 1, S, S]``), read as its mask_mod and mask_aux (each
             call makes its own tile lists).
+        dropout_p: attention dropout's rate, as tile_fmha_functional (training calls). The mask is
+            the one a single call on the whole sequence draws from the group's rank 0's seed (a
+            broadcast per call): each rank's chunks draw their rows of it.
 
     Returns:
         ``[B, Hq, L, Dv]``: this rank's rows of the whole sequence's attention, or ``(out, lse)``.
@@ -109,6 +115,9 @@ def context_parallel_attention(
         mask_aux=mask_aux, block_mask=block_mask,
     )  # fmt: skip
     training = check_training(training, return_lse, q, k, v, attn_bias, sinks, *(functions.aux if functions else ()))
+    rate = dropout.check_rate(dropout_p)
+    if rate and not training:
+        raise ValueError(f"dropout_p={dropout_p} with training=False: dropout applies to training calls only")
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = SequenceSharding.of_share(layout, world, q.shape[_SEQUENCE_DIM])
     if attn_bias is not None:  # on the whole sequence; each call checks its views again
@@ -122,7 +131,10 @@ def context_parallel_attention(
     )  # fmt: skip
 
     spans = sharding.spans(rank)
-    seen = tuple(_keys_seen(span, is_causal, window_size, sharding.length) for span in spans)
+    # With dropout every chunk is given keys from the sequence's first: the kernels count a mask's
+    # columns from the call's first key (dropout.with_first_row); a window hides the extra ones.
+    seen = tuple(_keys_seen(span, is_causal, None if rate else window_size, sharding.length) for span in spans)
+    seed = broadcast(dropout.call_seed(q.device), group) if rate else None
     with torch.set_grad_enabled(training and torch.is_grad_enabled()):
         keys_and_values = _SharedKeys.apply(k, v, sharding, group, seen)
         outs, lses = [], []
@@ -131,12 +143,13 @@ def context_parallel_attention(
             if functions is not None:
                 offsets = dense_offsets(q.shape[0], span.start, seen[index].start, q.device)
                 positions = functions.arguments(offsets)
-            out, lse = tile_fmha_functional(
-                q.narrow(_SEQUENCE_DIM, span.local_start, span.length),
-                *keys_and_values[2 * index : 2 * index + 2], scaling, is_causal, training,
-                attn_bias=_chunk_bias(attn_bias, span, seen[index]), window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, **positions,
-            )  # fmt: skip
+            with _chunk_seed(seed, span):
+                out, lse = tile_fmha_functional(
+                    q.narrow(_SEQUENCE_DIM, span.local_start, span.length),
+                    *keys_and_values[2 * index : 2 * index + 2], scaling, is_causal, training,
+                    attn_bias=_chunk_bias(attn_bias, span, seen[index]), window_size=window_size, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True, dropout_p=rate, **positions,
+                )  # fmt: skip
             outs.append(out)
             lses.append(lse)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=_SEQUENCE_DIM)
@@ -270,6 +283,15 @@ class _SharedKeys(torch.autograd.Function):
         dk = local[..., :head_dim].movedim(0, _SEQUENCE_DIM)
         dv = local[..., head_dim:].movedim(0, _SEQUENCE_DIM)
         return dk, dv, None, None, None
+
+
+def _chunk_seed(seed: Tensor | None, span: Span):
+    """Where a chunk's call draws its dropout seed: the call's (every rank's rank-0 seed) with
+    the chunk's first position as its first row, so that the chunks draw the whole sequence's
+    mask; nothing without dropout."""
+    if seed is None:
+        return contextlib.nullcontext()
+    return dropout.drawn_as(dropout.with_first_row(seed, span.start))
 
 
 def _chunk_bias(attn_bias: Tensor | None, span: Span, keys: slice) -> Tensor | None:

@@ -529,7 +529,7 @@ def _custom_op(
 def _operator_dropout(rate: float, q) -> tuple:
     """The operators' (dropout_p, dropout_seed), none without dropout: the seed drawn here, in the
     compiled graph, so that each run of it draws a new one."""
-    return (rate, dropout.new_seed(q.device)) if rate else ()
+    return (rate, dropout.call_seed(q.device)) if rate else ()
 
 
 def _aux_of(programs: CallerFunctions | None) -> tuple:

@@ -7,6 +7,7 @@ torch.manual_seed reproduces it, and CUDA graphs replay a fresh one each time); 
 reuses that seed, so it sees the forward's mask without storing one.
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -54,18 +55,57 @@ def kept_scale(rate: float) -> float:
     return _levels() / (_levels() - threshold(rate))
 
 
+def _seed_words() -> int:
+    """The seed tensor's length (kernels/dropout.py's SEED_WORDS; imported on first use)."""
+    from tilegym.ops.attention.kernels.dropout import SEED_WORDS
+
+    return SEED_WORDS
+
+
+_GIVEN_SEEDS: list[torch.Tensor] = []  # drawn_as's, innermost last
+
+
+def call_seed(device: torch.device) -> torch.Tensor:
+    """The seed of a call with dropout: drawn_as's within it, else a new one (new_seed)."""
+    if _GIVEN_SEEDS:
+        return check_seed(_GIVEN_SEEDS[-1], device)
+    return new_seed(device)
+
+
 def new_seed(device: torch.device) -> torch.Tensor:
-    """A call's seed: int32 [2] in [0, 2^31), drawn on the device (no host synchronisation)."""
-    return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=device)
+    """A new seed: int32 [SEED_WORDS], two words drawn on the device in [0, 2^31) (no host
+    synchronisation), then the first query row 0 and a zero."""
+    seed = torch.randint(0, 2**31 - 1, (_seed_words(),), dtype=torch.int32, device=device)
+    seed[2:] = 0
+    return seed
+
+
+@contextlib.contextmanager
+def drawn_as(seed: torch.Tensor):
+    """Within it, every call with dropout takes seed instead of drawing one (context
+    parallelism: one seed on every rank, each chunk's own first row, with_first_row)."""
+    _GIVEN_SEEDS.append(seed)
+    try:
+        yield
+    finally:
+        _GIVEN_SEEDS.pop()
+
+
+def with_first_row(seed: torch.Tensor, first_row: int) -> torch.Tensor:
+    """seed for a call whose query row 0 is row first_row of the sequence: the kernels then draw
+    that call's rows of the mask of the whole sequence (keys counted from the sequence's first)."""
+    chunk = seed.clone()
+    chunk[2] = first_row
+    return chunk
 
 
 def check_seed(seed, device: torch.device) -> torch.Tensor:
-    """An operator's seed: new_seed's int32 [2] on the call's device, or an error naming it."""
+    """An operator's seed: new_seed's int32 [SEED_WORDS] on the call's device, or an error naming it."""
     if not isinstance(seed, torch.Tensor):
         raise TypeError(f"dropout_seed must be a tensor, got {type(seed).__name__}")
-    if seed.dtype != torch.int32 or tuple(seed.shape) != (2,) or seed.device != device:
+    if seed.dtype != torch.int32 or tuple(seed.shape) != (_seed_words(),) or seed.device != device:
         raise ValueError(
-            f"dropout_seed must be an int32 tensor of shape (2,) on {device}, got {seed.dtype} "
+            f"dropout_seed must be an int32 tensor of shape ({_seed_words()},) on {device}, got {seed.dtype} "
             f"{tuple(seed.shape)} on {seed.device}"
         )
     return seed
@@ -79,5 +119,5 @@ def with_dropout(
     if rate == 0.0:
         return problem, mod_tensors
     mods = dataclasses.replace(problem.mods, dropout=rate)
-    seed = new_seed(device) if seed is None else check_seed(seed, device)
+    seed = call_seed(device) if seed is None else check_seed(seed, device)
     return dataclasses.replace(problem, mods=mods), dataclasses.replace(mod_tensors, dropout_seed=seed)

@@ -134,18 +134,21 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def dropout_kept(seed, rate: float, batch: int, heads: int, seqlen_q: int, seqlen_k: int, first_sequence: int = 0):
     """bool [batch, heads, Sq, Sk]: which probabilities the kernels keep under dropout at rate
-    with seed (int32 [2]), computed as kernels/dropout.py does; first_sequence: the sequence
-    number of batch entry 0 (a packed batch's sequences one at a time)."""
+    with seed (int32 [SEED_WORDS]: its third word the sequence row of query row 0), computed as
+    kernels/dropout.py does; first_sequence: the sequence number of batch entry 0 (a packed
+    batch's sequences one at a time)."""
     from tilegym.ops.attention import dropout
     from tilegym.ops.attention.kernels import dropout as device
 
-    low, high = (int(word) for word in seed.tolist())
+    low, high, first_row = (int(word) for word in seed.tolist()[:3])
     heads_ = torch.arange(heads, dtype=torch.int64).reshape(1, -1, 1, 1)
     sequences = torch.arange(first_sequence, first_sequence + batch, dtype=torch.int64).reshape(-1, 1, 1, 1)
     stream = _mix32((low + _times(heads_, device.HEAD_STEP)) & _WORD)
     stream = _mix32(stream ^ high)
     stream = _mix32((stream + _times(sequences, device.SEQUENCE_STEP)) & _WORD)  # [B, H, 1, 1]
-    rows = _times(torch.arange(seqlen_q, dtype=torch.int64).reshape(1, 1, -1, 1), device.ROW_STEP)
+    rows = _times(
+        torch.arange(first_row, first_row + seqlen_q, dtype=torch.int64).reshape(1, 1, -1, 1), device.ROW_STEP
+    )
     cols = torch.arange(seqlen_k, dtype=torch.int64).reshape(1, 1, 1, -1)
     span = device.PAIR_SPAN
     pairs = ((cols // (2 * span)) * span) | (cols % span)  # keys j and j + 8 of a block of 16

@@ -108,7 +108,7 @@ class ModTensors:
     sinks: torch.Tensor | None = None  # float32 (float64 for float64 inputs) [Hq], contiguous
     aux: tuple = ()  # the caller's tensors for score_mod (programmable.py), as given
     block_mask: object = None  # the caller's mask (block_mask.BlockMask), or None
-    dropout_seed: torch.Tensor | None = None  # int32 [2] (dropout.new_seed) with dropout
+    dropout_seed: torch.Tensor | None = None  # int32 [4] (dropout.new_seed) with dropout
 
 
 NO_TENSORS = ModTensors()

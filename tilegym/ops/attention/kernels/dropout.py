@@ -36,6 +36,9 @@ ROW_STEP = 0x9E3779B9
 COLUMN_STEP = 0x85EBCA6B
 HEAD_STEP = 0xC2B2AE35
 SEQUENCE_STEP = 0x27D4EB2F
+# The seed tensor: two words of seed, the call's first query row, and a zero (tiles have
+# power-of-two shapes).
+SEED_WORDS = 4
 KEPT_BITS = 16  # the bits of a 32-bit hash that decide one probability: two per hash
 PAIR_SHIFT = 3
 PAIR_SPAN = 1 << PAIR_SHIFT  # a pair's two keys lie this far apart, in blocks of 2 * PAIR_SPAN keys
@@ -58,18 +61,30 @@ def _as_uint32(values):
 
 @ct.function
 def dropout_of(Seed, seq, q_head, threshold, scale_hi, scale_lo, acc_dtype, on: ConstBool):
-    """A program's Dropout for one sequence and query head. Seed: int32 [2], values in [0, 2^31)."""
+    """A program's Dropout for one sequence and query head. Seed: int32 [SEED_WORDS]: two words of
+    seed in [0, 2^31), then the row of the sequence that the call's query row 0 is (context
+    parallelism's chunks of one sequence; else 0). Key columns count from the sequence's first:
+    a per-call column offset, one more live value, made the fused backward's masked loop 300
+    instructions longer."""
     if on:
-        seed = ct.load(Seed, index=(0,), shape=(2,))
-        low = _as_uint32(ct.extract(seed, index=(0,), shape=(1,)).reshape((1, 1)))
-        high = _as_uint32(ct.extract(seed, index=(1,), shape=(1,)).reshape((1, 1)))
+        seed = ct.load(Seed, index=(0,), shape=(SEED_WORDS,))
+        low = _word(seed, 0)
+        high = _word(seed, 1)
         head = _as_uint32(ct.full((1, 1), q_head, ct.int32))
         sequence = _as_uint32(ct.full((1, 1), seq, ct.int32))
         stream = mix32(low + head * ct.uint32(HEAD_STEP))
         stream = mix32(stream ^ high)
         stream = mix32(stream + sequence * ct.uint32(SEQUENCE_STEP))
+        # A row enters as stream + row * ROW_STEP (kept): the first row's offset folds into the stream.
+        stream = stream + _word(seed, 2) * ct.uint32(ROW_STEP)
         return Dropout(True, stream, threshold, scale(scale_hi, scale_lo, acc_dtype))
     return Dropout(False, 0, 0, 0.0)
+
+
+@ct.function
+def _word(seed, index: int):
+    """Word index of the seed tile, as a uint32 [1, 1] tile."""
+    return _as_uint32(ct.extract(seed, index=(index,), shape=(1,)).reshape((1, 1)))
 
 
 @ct.function
@@ -98,7 +113,7 @@ def kept(dropout, rows, cols):
 
 @ct.function
 def _pair_of(first_cols):
-    """The pair number of the first keys of pairs: PAIR_SPAN pairs per block of 2 * PAIR_SPAN keys."""
+    """The pair number of the first keys of pairs (uint32): PAIR_SPAN pairs per block of 2 * PAIR_SPAN keys."""
     # Shifts and a mask: signed // and % took 120 more instructions a step (every thread holds
     # 16 pairs' columns).
     return _as_uint32(((first_cols >> (PAIR_SHIFT + 1)) << PAIR_SHIFT) | (first_cols & (PAIR_SPAN - 1)))

@@ -159,7 +159,7 @@ class Dropout:
     """Attention dropout of one program's sequence and query head (dropout.py)."""
 
     on: Value  # compile-time: the kernel drops probabilities
-    stream: Value  # uint32 [1, 1]: the hash of the seed, the sequence and the query head
+    stream: Value  # uint32 [1, 1]: the hash of the seed, the sequence and the query head and the call's first row
     threshold: Value  # int32: a probability is dropped where its 16-bit half of a hash is below it
     scale: Value  # 1 / (1 - rate), in the accumulator dtype
 
