@@ -138,11 +138,9 @@ def kept_scaled(values, dropout, rows, cols):
 
 @ct.function
 def dropped_cast(probs, dropout, rows, cols, dtype):
-    """probs where kept, scaled by 1 / (1 - rate), as dtype (dV's operand, and with dropout what
-    kept_gradient reads the mask from); probs as dtype without dropout."""
-    if dropout.on:
-        return ct.where(kept(dropout, rows, cols), probs * dropout.scale, 0.0).astype(dtype)
-    return probs.astype(dtype)
+    """kept_scaled's probs as dtype: dV's operand, and with dropout what kept_gradient reads the
+    mask from."""
+    return kept_scaled(probs, dropout, rows, cols).astype(dtype)
 
 
 @ct.function
