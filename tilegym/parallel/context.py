@@ -116,8 +116,7 @@ def context_parallel_attention(
     )  # fmt: skip
     training = check_training(training, return_lse, q, k, v, attn_bias, sinks, *(functions.aux if functions else ()))
     rate = dropout.check_rate(dropout_p)
-    if rate and not training:
-        raise ValueError(f"dropout_p={dropout_p} with training=False: dropout applies to training calls only")
+    dropout.refuse_without_training(dropout_p, rate, training)
     refuse_unaligned(is_causal, window_size, alibi_slopes)
     sharding = SequenceSharding.of_share(layout, world, q.shape[_SEQUENCE_DIM])
     if attn_bias is not None:  # on the whole sequence; each call checks its views again

@@ -342,8 +342,8 @@ def tile_fmha_functional(
         training = bool(rate) or _needs_grad(q, k, v, attn_bias, sinks, *CallerFunctions.aux_tensors_of(aux))
     elif not isinstance(training, bool):
         raise TypeError(f"training must be a bool or None, got {type(training).__name__}")
-    elif rate and not training:
-        raise ValueError(f"dropout_p={dropout_p} with training=False: dropout applies to training calls only")
+    else:
+        dropout.refuse_without_training(dropout_p, rate, training)
     programs = {
         "score_mod": score_mod, "score_mod_grad": score_mod_grad, "aux": aux, "aux_grad": aux_grad,
         "mask_mod": mask_mod, "mask_aux": mask_aux, "block_mask": block_mask,

@@ -24,19 +24,30 @@ def check_rate(dropout_p) -> float:
     if not 0.0 <= rate < 1.0:
         # 1 drops every probability: the output would be 0 / 0.
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if round(rate * _levels()) > _levels() - 2:
+    if threshold(rate) > _levels() - 2:
         # Kept probabilities are scaled by 1 / (1 - rate) in the inputs' dtype: at most 2^15,
         # so that a float16 one stays finite.
         raise ValueError(f"dropout_p must be at most {max_rate()} (1 - 2^-15), got {dropout_p!r}")
     return rate
 
 
-def _levels() -> int:
-    """How many values the hash's bits that decide a probability take (kernels/dropout.py's
-    KEPT_BITS; imported here, on first use, so that this module loads without cuTile)."""
-    from tilegym.ops.attention.kernels.dropout import KEPT_BITS
+def refuse_without_training(dropout_p, rate: float, training: bool) -> None:
+    """The error of dropout (check_rate's rate) on a call that does not train."""
+    if rate and not training:
+        raise ValueError(f"dropout_p={dropout_p} with training=False: dropout applies to training calls only")
 
-    return 1 << KEPT_BITS
+
+def _device():
+    """kernels/dropout.py, the source of the hash's constants: imported on first use, so that this
+    module loads without cuTile."""
+    from tilegym.ops.attention.kernels import dropout as device
+
+    return device
+
+
+def _levels() -> int:
+    """How many values the hash's bits that decide a probability take (KEPT_BITS)."""
+    return 1 << _device().KEPT_BITS
 
 
 def max_rate() -> float:
@@ -56,10 +67,8 @@ def kept_scale(rate: float) -> float:
 
 
 def _seed_words() -> int:
-    """The seed tensor's length (kernels/dropout.py's SEED_WORDS; imported on first use)."""
-    from tilegym.ops.attention.kernels.dropout import SEED_WORDS
-
-    return SEED_WORDS
+    """The seed tensor's length (SEED_WORDS)."""
+    return _device().SEED_WORDS
 
 
 _GIVEN_SEEDS: list[torch.Tensor] = []  # drawn_as's, innermost last
